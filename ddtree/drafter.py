@@ -1,0 +1,160 @@
+"""Our compact DFlash block-diffusion drafter (z-lab checkpoints).
+
+One forward per round over the block [bonus, mask x (B-1)] at positions start..start+B-1. Keys and
+values are [context rows ; block rows]: context rows come from the target's residual stream at
+the tapped layers, `hidden_norm(fc(concat(taps)))`, projected by each layer's k/v (no input norm);
+block rows from the layer's normed hidden state. Context K/V are cached (positions 0..start-1);
+block K/V are recomputed every round and never stored. The drafter has no embedding and no
+lm_head: it borrows the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddtree.config import DrafterConfig
+from ddtree.target import MLP, RMSNorm, apply_rope
+
+
+def drafter_rope(cfg: DrafterConfig, max_len: int, device):
+    """cos/sin [max_len, head_dim]; yarn (rope_scaling) through transformers' own init functions."""
+    scale = 1.0
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    rs = cfg.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type", "default")) not in ("default", None):
+        from transformers import Qwen3Config
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = dict(rs)
+        params["rope_type"] = params.pop("type", params.get("rope_type"))
+        params.setdefault("rope_theta", cfg.rope_theta)
+        hf = Qwen3Config(head_dim=cfg.head_dim, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
+                         max_position_embeddings=cfg.max_position_embeddings, rope_parameters=params)
+        inv, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv.float()[None]
+    emb = torch.cat([freqs, freqs], -1)
+    return (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, i: int):
+        super().__init__()
+        self.h, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.causal, self.window = cfg.causal[i], cfg.sliding_window[i]
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kvh * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kvh * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps, plus_one=False)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps, plus_one=False)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def kv(self, h: torch.Tensor, cos, sin):
+        R = h.shape[0]
+        k = apply_rope(self.k_norm(self.k_proj(h).view(R, self.kvh, self.hd)), cos, sin)
+        return k, self.v_proj(h).view(R, self.kvh, self.hd)
+
+    def forward(self, x, cos, sin, ctx_len: torch.Tensor, kv_len: int, q_pos: torch.Tensor):
+        B = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, self.h, self.hd)), cos, sin)
+        kb, vb = self.kv(x, cos, sin)
+        k = torch.cat([self.k_cache[:kv_len], kb])  # [kv_len + B, kvh, hd]
+        v = torch.cat([self.v_cache[:kv_len], vb])
+        key_pos = torch.cat([torch.arange(kv_len, device=x.device), q_pos])
+        valid = torch.cat([torch.arange(kv_len, device=x.device) < ctx_len, torch.ones(B, dtype=torch.bool, device=x.device)])
+        mask = valid[None, :].expand(B, -1)
+        if self.causal:
+            mask = mask & (key_pos[None, :] <= q_pos[:, None])
+        if self.window is not None:
+            mask = mask & (q_pos[:, None] - key_pos[None, :] < self.window)
+            if not self.causal:
+                mask = mask & (key_pos[None, :] - q_pos[:, None] < self.window)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask[None, None], enable_gqa=self.h != self.kvh,
+        )
+        return self.o_proj(o[0].transpose(0, 1).reshape(B, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, i: int):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, i)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, plus_one=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, plus_one=False)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList([DraftLayer(cfg, i) for i in range(cfg.num_layers)])
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, plus_one=False)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, plus_one=False)
+        self.embed: nn.Embedding | None = None  # the target's (not registered: not ours to save)
+        self.head: nn.Linear | None = None
+        self.ctx_len: torch.Tensor | None = None  # 0-dim long on the device: context rows cached
+
+    @property
+    def device(self):
+        return self.fc.weight.device
+
+    def attach(self, embed: nn.Embedding, lm_head: nn.Linear):
+        object.__setattr__(self, "embed", embed)
+        object.__setattr__(self, "head", lm_head)
+
+    def allocate_state(self, max_len: int):
+        dev, dt = self.device, self.fc.weight.dtype
+        for layer in self.layers:
+            a = layer.self_attn
+            a.k_cache = torch.zeros(max_len, a.kvh, a.hd, device=dev, dtype=dt)
+            a.v_cache = torch.zeros_like(a.k_cache)
+        self.cos, self.sin = drafter_rope(self.cfg, max_len + self.cfg.block_size, dev)
+        self.max_len = max_len
+        self.ctx_len = torch.zeros((), dtype=torch.long, device=dev)
+
+    def reset(self):
+        self.ctx_len.zero_()
+
+    def add_context(self, taps: torch.Tensor, n_valid: torch.Tensor | int | None = None):
+        """Cache context K/V for the rows taps[:n_valid] ([R, taps*hidden]) at positions ctx_len.. .
+
+        Rows past n_valid are written but stay beyond ctx_len (invisible, overwritten later), so
+        the shape is fixed whatever was accepted.
+        """
+        taps = taps.to(self.device, non_blocking=True)
+        R = taps.shape[0]
+        h = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        slots = self.ctx_len + torch.arange(R, device=self.device)
+        cos, sin = self.cos[slots], self.sin[slots]
+        for layer in self.layers:
+            k, v = layer.self_attn.kv(h, cos, sin)
+            layer.self_attn.k_cache.index_copy_(0, slots, k)
+            layer.self_attn.v_cache.index_copy_(0, slots, v)
+        self.ctx_len += R if n_valid is None else n_valid.to(self.device) if torch.is_tensor(n_valid) else n_valid
+
+    def draft_logits(self, bonus: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """bonus: 0-dim long token at position ctx_len. Returns logits [B-1, vocab] (fp32) for
+        positions ctx_len+1 .. ctx_len+B-1. kv_len: host int >= ctx_len (context rows to read)."""
+        cfg, dev = self.cfg, self.device
+        B = cfg.block_size
+        block = torch.full((B,), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block[0] = bonus.to(dev)
+        x = F.embedding(block.to(self.embed.weight.device), self.embed.weight).to(dev)
+        if cfg.input_embedding_scale != 1.0:
+            x = x * cfg.input_embedding_scale
+        q_pos = self.ctx_len + torch.arange(B, device=dev)
+        cos, sin = self.cos[q_pos], self.sin[q_pos]
+        for layer in self.layers:
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, self.ctx_len, kv_len, q_pos)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.norm(x[1:]).to(self.head.weight.device)
+        logits = self.head(h).float() * cfg.output_multiplier
+        if cfg.final_logit_softcapping:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return logits

@@ -1,0 +1,661 @@
+"""Per-round and per-prompt statistics, aggregation, and the versioned JSON result document.
+
+The decoders append one :class:`RoundRecord` per speculative round and return one
+:class:`GenerationRecord` per prompt. :func:`aggregate` turns a list of generation records into
+vLLM-style counters plus timing summaries; :func:`make_run_document` assembles the JSON document
+that ``ddtree bench`` writes (schema ``ddtree.stats/1``, documented in ``docs/stats-schema.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddtree.errors import DDTreeError
+
+SCHEMA_VERSION = "ddtree.stats/1"
+
+#: The per-round stages, in pipeline order. Decoders may record other stages too; they are
+#: reported after these.
+STAGES: tuple[str, ...] = ("draft", "tree", "verify", "commit")
+
+
+# --------------------------------------------------------------------------------------------
+# records
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundRecord:
+    tree_size: int  # draft nodes verified (root excluded); 0 for ar
+    tree_depth: int  # deepest draft node
+    accepted: int  # draft tokens accepted (bonus excluded)
+    accepted_ranks: list[int]  # sibling rank of each accepted node, root-to-leaf
+    committed: int  # tokens emitted this round (accepted + 1, cut by a stop token / max_new_tokens)
+    times_ms: dict[str, float]  # 'draft', 'tree', 'verify', 'commit' (device-synchronised at the end)
+
+
+@dataclass
+class GenerationRecord:
+    prompt_id: str
+    prompt_tokens: int
+    new_tokens: int
+    token_ids: list[int]
+    text: str
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    method: str  # 'ar' | 'dflash' | 'ddtree'
+    budget: int | None = None  # draft nodes per round for ddtree; None otherwise
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+    @property
+    def decode_tok_s(self) -> float:
+        """New tokens per second of decode time (0.0 when no decode time was measured)."""
+        return _ratio(self.new_tokens, self.decode_s)
+
+    @property
+    def e2e_tok_s(self) -> float:
+        """New tokens per second of prefill + decode time."""
+        return _ratio(self.new_tokens, self.prefill_s + self.decode_s)
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den and den > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# aggregation
+# --------------------------------------------------------------------------------------------
+
+
+def _stage_order(rounds: list[RoundRecord]) -> list[str]:
+    seen = list(STAGES)
+    for r in rounds:
+        for k in r.times_ms:
+            if k not in seen:
+                seen.append(k)
+    return seen
+
+
+def _round_counters(rounds: list[RoundRecord], block_size: int | None = None) -> dict[str, Any]:
+    """vLLM-style speculative-decoding counters over a list of rounds.
+
+    A *draft* is a round that verified at least one draft node (``tree_size > 0``); ``ar`` rounds
+    are not drafts, so an ``ar`` run has ``num_drafts == 0`` and mean acceptance length 1.0.
+    """
+    drafts = [r for r in rounds if r.tree_size > 0]
+    num_drafts = len(drafts)
+    num_draft_tokens = sum(r.tree_size for r in drafts)
+    num_accepted = sum(r.accepted for r in drafts)
+
+    max_depth = max((r.tree_depth for r in drafts), default=0)
+    max_acc = max((r.accepted for r in drafts), default=0)
+    n_pos = max(max_depth, max_acc)
+    if block_size is not None and num_drafts:
+        n_pos = max(n_pos, block_size - 1)
+    per_pos = [sum(1 for r in drafts if r.accepted > d) for d in range(n_pos)]
+
+    # per-depth conditional rate: rounds that accepted >= d over rounds whose tree reached depth d
+    per_depth: list[float | None] = []
+    for d in range(1, max(max_depth, max_acc) + 1):
+        reached = sum(1 for r in drafts if r.tree_depth >= d)
+        acc = sum(1 for r in drafts if r.accepted >= d)
+        per_depth.append(acc / reached if reached else None)
+
+    hist: dict[int, int] = {}
+    for r in drafts:
+        hist[r.accepted + 1] = hist.get(r.accepted + 1, 0) + 1
+    ranks: dict[int, int] = {}
+    for r in drafts:
+        for k in r.accepted_ranks:
+            ranks[int(k)] = ranks.get(int(k), 0) + 1
+
+    return {
+        "num_drafts": num_drafts,
+        "num_draft_tokens": num_draft_tokens,
+        "num_accepted_tokens": num_accepted,
+        "num_accepted_tokens_per_pos": per_pos,
+        "mean_acceptance_length": 1.0 + num_accepted / num_drafts if num_drafts else 1.0,
+        "draft_acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
+        "acceptance_length_histogram": {str(k): hist[k] for k in sorted(hist)},
+        "per_depth_acceptance_rate": per_depth,
+        "accepted_rank_histogram": {str(k): ranks[k] for k in sorted(ranks)},
+    }
+
+
+def _tree_size_stats(rounds: list[RoundRecord]) -> dict[str, float]:
+    sizes = [r.tree_size for r in rounds]
+    if not sizes:
+        return {"mean": 0.0, "min": 0, "max": 0}
+    return {"mean": sum(sizes) / len(sizes), "min": min(sizes), "max": max(sizes)}
+
+
+def _stage_times(rounds: list[RoundRecord]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    n = len(rounds)
+    for stage in _stage_order(rounds):
+        total = sum(float(r.times_ms.get(stage, 0.0)) for r in rounds)
+        out[stage] = {"total": total, "mean": total / n if n else 0.0}
+    return out
+
+
+def aggregate(records: list[GenerationRecord], block_size: int | None = None) -> dict:
+    """Summarise a run (one method/budget over many prompts).
+
+    ``block_size`` (the drafter's block size, when known) pads ``num_accepted_tokens_per_pos`` to
+    ``block_size - 1`` positions (the most draft tokens a round can accept), like vLLM's
+    ``num_speculative_tokens``. All keys are documented in ``docs/stats-schema.md``.
+    """
+    rounds = [r for rec in records for r in rec.rounds]
+    new_tokens = sum(r.new_tokens for r in records)
+    prefill_s = sum(r.prefill_s for r in records)
+    decode_s = sum(r.decode_s for r in records)
+    committed = sum(r.committed for r in rounds)
+    out: dict[str, Any] = {
+        "num_prompts": len(records),
+        "prompt_tokens": sum(r.prompt_tokens for r in records),
+        "new_tokens": new_tokens,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "total_s": prefill_s + decode_s,
+        "decode_tok_s": _ratio(new_tokens, decode_s),
+        "e2e_tok_s": _ratio(new_tokens, prefill_s + decode_s),
+        "mean_ttft_s": sum(r.ttft_s for r in records) / len(records) if records else 0.0,
+        "rounds": len(rounds),
+        "committed_tokens": committed,
+        "mean_committed_per_round": committed / len(rounds) if rounds else 0.0,
+        "block_size": block_size,
+    }
+    out.update(_round_counters(rounds, block_size))
+    out["tree_size"] = _tree_size_stats(rounds)
+    out["stage_times_ms"] = _stage_times(rounds)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# per-prompt entries
+# --------------------------------------------------------------------------------------------
+
+
+def _ms(x: float) -> float:
+    return round(float(x), 4)
+
+
+def generation_to_dict(rec: GenerationRecord) -> dict:
+    """One prompt's entry: summary fields plus ``rounds`` as compact column arrays."""
+    stages = _stage_order(rec.rounds)
+    counters = _round_counters(rec.rounds)
+    return {
+        "prompt_id": str(rec.prompt_id),
+        "method": rec.method,
+        "budget": rec.budget,
+        "prompt_tokens": int(rec.prompt_tokens),
+        "new_tokens": int(rec.new_tokens),
+        "prefill_s": float(rec.prefill_s),
+        "decode_s": float(rec.decode_s),
+        "ttft_s": float(rec.ttft_s),
+        "decode_tok_s": rec.decode_tok_s,
+        "e2e_tok_s": rec.e2e_tok_s,
+        "num_rounds": len(rec.rounds),
+        "num_drafts": counters["num_drafts"],
+        "num_draft_tokens": counters["num_draft_tokens"],
+        "num_accepted_tokens": counters["num_accepted_tokens"],
+        "mean_acceptance_length": counters["mean_acceptance_length"],
+        "token_ids": [int(t) for t in rec.token_ids],
+        "text": rec.text,
+        "rounds": {
+            "tree_size": [int(r.tree_size) for r in rec.rounds],
+            "tree_depth": [int(r.tree_depth) for r in rec.rounds],
+            "accepted": [int(r.accepted) for r in rec.rounds],
+            "committed": [int(r.committed) for r in rec.rounds],
+            "accepted_ranks": [[int(k) for k in r.accepted_ranks] for r in rec.rounds],
+            "times_ms": {s: [_ms(r.times_ms.get(s, 0.0)) for r in rec.rounds] for s in stages},
+        },
+    }
+
+
+def generation_from_dict(d: dict) -> GenerationRecord:
+    """Inverse of :func:`generation_to_dict` (stage times come back rounded to 0.1 us)."""
+    rd = d.get("rounds") or {}
+    n = len(rd.get("tree_size", []))
+    times = rd.get("times_ms", {})
+    rounds = [
+        RoundRecord(
+            tree_size=rd["tree_size"][i],
+            tree_depth=rd["tree_depth"][i],
+            accepted=rd["accepted"][i],
+            accepted_ranks=list(rd["accepted_ranks"][i]),
+            committed=rd["committed"][i],
+            times_ms={s: v[i] for s, v in times.items()},
+        )
+        for i in range(n)
+    ]
+    return GenerationRecord(
+        prompt_id=d["prompt_id"],
+        prompt_tokens=d["prompt_tokens"],
+        new_tokens=d["new_tokens"],
+        token_ids=list(d.get("token_ids", [])),
+        text=d.get("text", ""),
+        prefill_s=d["prefill_s"],
+        decode_s=d["decode_s"],
+        ttft_s=d["ttft_s"],
+        method=d["method"],
+        budget=d.get("budget"),
+        rounds=rounds,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# metadata
+# --------------------------------------------------------------------------------------------
+
+
+def _ddtree_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("ddtree")
+    except Exception:
+        try:
+            import ddtree
+
+            return str(getattr(ddtree, "__version__", "unknown"))
+        except Exception:
+            return "unknown"
+
+
+def _module_version(name: str) -> str | None:
+    """Installed version of a distribution, without importing it (None if absent)."""
+    mod = sys.modules.get(name)
+    if mod is not None and getattr(mod, "__version__", None):
+        return str(mod.__version__)
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return None
+
+
+def _gpu_names() -> list[str]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:
+        pass
+    return ["cpu"]
+
+
+def config_hash(path: str | os.PathLike) -> str:
+    """First 16 hex digits of the sha256 of a file's bytes (a directory means its config.json)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise DDTreeError(
+            f"cannot hash config file '{p}' ({e.strerror or type(e).__name__}): "
+            "pass the path of an existing config.json"
+        ) from None
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def run_metadata(**kw: Any) -> dict:
+    """Environment facts plus whatever the caller passes (model refs, config hashes, dtype,
+    devices, sampling settings, seed, ...). Passed keys override the gathered ones."""
+    meta: dict[str, Any] = {
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "ddtree_version": _ddtree_version(),
+        "python_version": platform.python_version(),
+        "torch_version": _module_version("torch"),
+        "transformers_version": _module_version("transformers"),
+        "platform": platform.platform(),
+        "gpus": _gpu_names(),
+        "argv": list(sys.argv),
+    }
+    meta.update(_jsonable(kw))
+    return meta
+
+
+# --------------------------------------------------------------------------------------------
+# document
+# --------------------------------------------------------------------------------------------
+
+
+def make_run_document(metadata: dict, runs: list[dict]) -> dict:
+    """Assemble the result document.
+
+    Each entry of ``runs`` is ``{"method", "budget", "records": [GenerationRecord],
+    "speedup_vs_ar": float | None}`` with optional ``"block_size"`` (passed to
+    :func:`aggregate`).
+    """
+    out_runs = []
+    for i, run in enumerate(runs):
+        for k in ("method", "records"):
+            if k not in run:
+                raise ValueError(f"runs[{i}] has no '{k}' key: pass method, budget, records, speedup_vs_ar")
+        records = list(run["records"])
+        out_runs.append(
+            {
+                "method": run["method"],
+                "budget": run.get("budget"),
+                "aggregate": aggregate(records, block_size=run.get("block_size")),
+                "prompts": [generation_to_dict(r) for r in records],
+                "speedup_vs_ar": run.get("speedup_vs_ar"),
+            }
+        )
+    return {"schema": SCHEMA_VERSION, "metadata": _jsonable(dict(metadata)), "runs": out_runs}
+
+
+_NUM = ["number"]
+_INT = ["integer"]
+_COUNT_HIST = {"type": "object", "additionalProperties": {"type": "integer"}}
+
+SCHEMA: dict = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": SCHEMA_VERSION,
+    "type": "object",
+    "required": ["schema", "metadata", "runs"],
+    "properties": {
+        "schema": {"const": SCHEMA_VERSION},
+        "metadata": {
+            "type": "object",
+            "required": ["timestamp", "ddtree_version"],
+            "properties": {
+                "timestamp": {"type": "string"},
+                "ddtree_version": {"type": "string"},
+                "python_version": {"type": "string"},
+                "torch_version": {"type": ["string", "null"]},
+                "transformers_version": {"type": ["string", "null"]},
+                "gpus": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "runs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["method", "budget", "aggregate", "prompts", "speedup_vs_ar"],
+                "properties": {
+                    "method": {"type": "string"},
+                    "budget": {"type": ["integer", "null"]},
+                    "speedup_vs_ar": {"type": ["number", "null"]},
+                    "aggregate": {
+                        "type": "object",
+                        "required": [
+                            "num_prompts", "prompt_tokens", "new_tokens", "prefill_s", "decode_s",
+                            "total_s", "decode_tok_s", "e2e_tok_s", "mean_ttft_s", "rounds",
+                            "committed_tokens", "mean_committed_per_round", "block_size",
+                            "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                            "num_accepted_tokens_per_pos", "mean_acceptance_length",
+                            "draft_acceptance_rate", "acceptance_length_histogram",
+                            "per_depth_acceptance_rate", "accepted_rank_histogram", "tree_size",
+                            "stage_times_ms",
+                        ],
+                        "properties": {
+                            "num_prompts": {"type": _INT},
+                            "prompt_tokens": {"type": _INT},
+                            "new_tokens": {"type": _INT},
+                            "prefill_s": {"type": _NUM},
+                            "decode_s": {"type": _NUM},
+                            "total_s": {"type": _NUM},
+                            "decode_tok_s": {"type": _NUM},
+                            "e2e_tok_s": {"type": _NUM},
+                            "mean_ttft_s": {"type": _NUM},
+                            "rounds": {"type": _INT},
+                            "committed_tokens": {"type": _INT},
+                            "mean_committed_per_round": {"type": _NUM},
+                            "block_size": {"type": ["integer", "null"]},
+                            "num_drafts": {"type": _INT},
+                            "num_draft_tokens": {"type": _INT},
+                            "num_accepted_tokens": {"type": _INT},
+                            "num_accepted_tokens_per_pos": {"type": "array", "items": {"type": "integer"}},
+                            "mean_acceptance_length": {"type": _NUM},
+                            "draft_acceptance_rate": {"type": _NUM},
+                            "acceptance_length_histogram": _COUNT_HIST,
+                            "per_depth_acceptance_rate": {
+                                "type": "array",
+                                "items": {"type": ["number", "null"]},
+                            },
+                            "accepted_rank_histogram": _COUNT_HIST,
+                            "tree_size": {
+                                "type": "object",
+                                "required": ["mean", "min", "max"],
+                                "properties": {
+                                    "mean": {"type": _NUM},
+                                    "min": {"type": _INT},
+                                    "max": {"type": _INT},
+                                },
+                            },
+                            "stage_times_ms": {
+                                "type": "object",
+                                "additionalProperties": {
+                                    "type": "object",
+                                    "required": ["total", "mean"],
+                                    "properties": {"total": {"type": _NUM}, "mean": {"type": _NUM}},
+                                },
+                            },
+                        },
+                    },
+                    "prompts": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": [
+                                "prompt_id", "method", "budget", "prompt_tokens", "new_tokens",
+                                "prefill_s", "decode_s", "ttft_s", "decode_tok_s", "e2e_tok_s",
+                                "num_rounds", "num_drafts", "num_draft_tokens",
+                                "num_accepted_tokens", "mean_acceptance_length", "token_ids",
+                                "text", "rounds",
+                            ],
+                            "properties": {
+                                "prompt_id": {"type": "string"},
+                                "method": {"type": "string"},
+                                "budget": {"type": ["integer", "null"]},
+                                "prompt_tokens": {"type": _INT},
+                                "new_tokens": {"type": _INT},
+                                "prefill_s": {"type": _NUM},
+                                "decode_s": {"type": _NUM},
+                                "ttft_s": {"type": _NUM},
+                                "decode_tok_s": {"type": _NUM},
+                                "e2e_tok_s": {"type": _NUM},
+                                "num_rounds": {"type": _INT},
+                                "num_drafts": {"type": _INT},
+                                "num_draft_tokens": {"type": _INT},
+                                "num_accepted_tokens": {"type": _INT},
+                                "mean_acceptance_length": {"type": _NUM},
+                                "token_ids": {"type": "array", "items": {"type": "integer"}},
+                                "text": {"type": "string"},
+                                "rounds": {
+                                    "type": "object",
+                                    "required": [
+                                        "tree_size", "tree_depth", "accepted", "committed",
+                                        "accepted_ranks", "times_ms",
+                                    ],
+                                    "properties": {
+                                        "tree_size": {"type": "array", "items": {"type": "integer"}},
+                                        "tree_depth": {"type": "array", "items": {"type": "integer"}},
+                                        "accepted": {"type": "array", "items": {"type": "integer"}},
+                                        "committed": {"type": "array", "items": {"type": "integer"}},
+                                        "accepted_ranks": {
+                                            "type": "array",
+                                            "items": {"type": "array", "items": {"type": "integer"}},
+                                        },
+                                        "times_ms": {
+                                            "type": "object",
+                                            "additionalProperties": {
+                                                "type": "array",
+                                                "items": {"type": "number"},
+                                            },
+                                        },
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def _type_ok(value: Any, t: str) -> bool:
+    if t == "null":
+        return value is None
+    if t == "boolean":
+        return isinstance(value, bool)
+    if t == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t == "string":
+        return isinstance(value, str)
+    if t == "array":
+        return isinstance(value, list)
+    if t == "object":
+        return isinstance(value, dict)
+    raise AssertionError(f"unknown schema type {t!r}")
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _check(value: Any, schema: dict, where: str) -> None:
+    if "const" in schema and value != schema["const"]:
+        raise ValueError(f"{where}: expected {schema['const']!r}, got {value!r}")
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else types
+        if not any(_type_ok(value, t) for t in types):
+            raise ValueError(f"{where}: expected {' or '.join(types)}, got {_type_name(value)}")
+    if isinstance(value, dict):
+        for k in schema.get("required", []):
+            if k not in value:
+                raise ValueError(f"{where}: missing required key '{k}'")
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for k, v in value.items():
+            if k in props:
+                _check(v, props[k], f"{where}.{k}")
+            elif isinstance(extra, dict):
+                _check(v, extra, f"{where}.{k}")
+    if isinstance(value, list) and "items" in schema:
+        for i, v in enumerate(value):
+            _check(v, schema["items"], f"{where}[{i}]")
+
+
+def validate_document(doc: Any) -> None:
+    """Raise ``ValueError`` naming the first offending path (e.g. ``runs[1].aggregate.rounds``)
+    if ``doc`` is not a valid ``ddtree.stats/1`` document."""
+    if isinstance(doc, dict) and "schema" in doc and doc["schema"] != SCHEMA_VERSION:
+        raise ValueError(
+            f"schema: this ddtree reads '{SCHEMA_VERSION}' documents, got {doc['schema']!r}"
+        )
+    _check(doc, SCHEMA, "doc")
+
+
+# --------------------------------------------------------------------------------------------
+# JSON I/O
+# --------------------------------------------------------------------------------------------
+
+
+def _jsonable(x: Any) -> Any:
+    """Plain JSON types: Paths to str, tuples/sets to lists, numpy/torch scalars to Python,
+    dataclasses to dicts, non-finite floats to None."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    if hasattr(x, "item") and callable(x.item):  # numpy / torch scalars
+        try:
+            return _jsonable(x.item())
+        except Exception:
+            pass
+    if hasattr(x, "tolist"):
+        return _jsonable(x.tolist())
+    return str(x)
+
+
+def _dumps(x: Any, indent: int = 0) -> str:
+    """Indented JSON, but arrays of scalars on one line (per-round arrays stay compact)."""
+    pad = "  " * indent
+    if isinstance(x, dict):
+        if not x:
+            return "{}"
+        items = [f'{pad}  {json.dumps(k)}: {_dumps(v, indent + 1)}' for k, v in x.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(x, list):
+        if all(not isinstance(v, (dict, list)) for v in x) or all(
+            isinstance(v, list) and all(not isinstance(w, (dict, list)) for w in v) for v in x
+        ):
+            return json.dumps(x, separators=(",", ":"), allow_nan=False)
+        items = [f"{pad}  {_dumps(v, indent + 1)}" for v in x]
+        return "[\n" + ",\n".join(items) + "\n" + pad + "]"
+    return json.dumps(x, ensure_ascii=False, allow_nan=False)
+
+
+def write_json(doc: dict, path: str | os.PathLike) -> Path:
+    """Write ``doc`` as UTF-8 JSON (parent folders created); returns the path."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(_dumps(_jsonable(doc)) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise DDTreeError(
+            f"cannot write results to '{p}' ({e.strerror or type(e).__name__}): pick a writable --out path"
+        ) from None
+    return p
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """Read a JSON document (not validated: call :func:`validate_document`)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DDTreeError(f"results file '{p}' not found: pass the JSON file written by ddtree bench")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DDTreeError(
+            f"results file '{p}' is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): "
+            "pass the JSON file written by ddtree bench"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DDTreeError(f"cannot read results file '{p}' ({e}): check the path and permissions") from None

@@ -1,0 +1,425 @@
+"""Our compact target model: the Qwen3.5/3.6 Gated-DeltaNet hybrid text stack and dense Qwen3.
+
+Every forward processes T new tokens arranged as a tree over the committed prefix:
+  * prefill chunk / chain: path_mask lower-triangular, parents[n] = n - 1
+  * autoregressive step:   a tree of one node
+  * draft-tree verify:     the DDTree tree (node 0 = bonus token)
+Attention layers see the prefix plus the node's ancestors; GDN layers run the tree convolution
+and the tree-WY recurrence (ddtree.gdn). `commit` then keeps one root-to-node path: K/V moved to
+contiguous slots, GDN conv and recurrent states set to the path's last node. Everything that
+depends on what was accepted stays on the device, so a round needs no host sync here.
+
+State lives in buffers allocated once (`allocate_state`): K/V [max_len, kv_heads, head_dim] per
+attention layer; per GDN layer a conv state [width-1, conv_dim] and an fp32 recurrent state
+[v_heads, dk, dv]. Parameter names mirror the HF checkpoints (after the prefix) so loading is a
+rename.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddtree import gdn
+from ddtree.config import TargetConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, plus_one: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+        self.eps, self.plus_one = eps, plus_one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:  # Qwen3.5: (x * (1 + w)) computed in fp32
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)  # Qwen3: cast, then scale
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: w * norm(x) * silu(z), plain weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(dt) * F.silu(z.float())).to(dt)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos/sin: [T, rd] (NeoX halves) applied to the first rd dims."""
+    rd = cos.shape[-1]
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    xr, xp = x[..., :rd], x[..., rd:]
+    return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)
+
+
+@dataclass
+class Step:
+    """Per-forward inputs shared by all layers (one copy per device).
+
+    positions [T]; path_mask [T, T] bool; window [T, width] conv rows; attn_mask [T, kv_len] bool;
+    cos/sin [T, rd]; start: 0-dim long (committed length); kv_len: host int >= start + T.
+    """
+
+    positions: torch.Tensor
+    path_mask: torch.Tensor
+    window: torch.Tensor
+    attn_mask: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    start: torch.Tensor
+    kv_len: int
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.h, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.gated = cfg.attn_output_gate
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.hd * (2 if self.gated else 1), bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kvh * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kvh * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.norm_plus_one)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.norm_plus_one)
+        self.k_cache: torch.Tensor | None = None  # [max_len, kvh, hd]
+        self.v_cache: torch.Tensor | None = None
+
+    def allocate(self, max_len: int, device, dtype):
+        self.k_cache = torch.zeros(max_len, self.kvh, self.hd, device=device, dtype=dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+
+    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x)
+        if self.gated:  # per head: [query | gate]
+            q, gate = q.view(T, self.h, 2 * self.hd).chunk(2, dim=-1)
+            gate = gate.reshape(T, -1)
+        else:
+            q, gate = q.view(T, self.h, self.hd), None
+        q = apply_rope(self.q_norm(q), s.cos, s.sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.kvh, self.hd)), s.cos, s.sin)
+        v = self.v_proj(x).view(T, self.kvh, self.hd)
+        slots = s.start + torch.arange(T, device=x.device)
+        self.k_cache.index_copy_(0, slots, k)
+        self.v_cache.index_copy_(0, slots, v)
+        kk = self.k_cache[: s.kv_len].transpose(0, 1)[None]  # [1, kvh, S, hd]
+        vv = self.v_cache[: s.kv_len].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kk, vv, attn_mask=s.attn_mask[None, None], enable_gqa=self.h != self.kvh
+        )  # [1, h, T, hd]
+        o = o[0].transpose(0, 1).reshape(T, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    def commit(self, path_nodes: torch.Tensor, start: torch.Tensor):
+        """Move the K/V of path_nodes [P] (tree indices) to slots start..start+P-1."""
+        src = start + path_nodes
+        dst = start + torch.arange(path_nodes.shape[0], device=path_nodes.device)
+        self.k_cache.index_copy_(0, dst, self.k_cache.index_select(0, src))
+        self.v_cache.index_copy_(0, dst, self.v_cache.index_select(0, src))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.hk, self.hv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads
+        self.dk, self.dv = cfg.gdn_k_dim, cfg.gdn_v_dim
+        self.width = cfg.conv_kernel
+        self.conv_dim = cfg.gdn_conv_dim
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.hv * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.width, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_eps)
+        self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
+        self.conv_state: torch.Tensor | None = None  # [width-1, conv_dim], oldest first
+        self.rec_state: torch.Tensor | None = None  # [hv, dk, dv] fp32
+        self.saved = None  # what commit needs from the last forward
+
+    def allocate(self, device, dtype):
+        self.conv_state = torch.zeros(self.width - 1, self.conv_dim, device=device, dtype=dtype)
+        self.rec_state = torch.zeros(self.hv, self.dk, self.dv, device=device, dtype=torch.float32)
+
+    def reset(self):
+        self.conv_state.zero_()
+        self.rec_state.zero_()
+
+    def qkvgb(self, x: torch.Tensor, s: Step):
+        """Projections + tree convolution -> q, k (normalised, per value head), v, g, beta, z, ext."""
+        T = x.shape[0]
+        ext = torch.cat([self.conv_state, self.in_proj_qkv(x)])  # [width-1+T, C]
+        mixed = gdn.tree_conv(ext, s.window, self.conv1d.weight[:, 0, :])  # [T, C]
+        kd = self.hk * self.dk
+        q, k, v = mixed.split([kd, kd, self.hv * self.dv], dim=-1)
+        rep = self.hv // self.hk
+        q = (gdn.l2norm(q.view(T, self.hk, self.dk).float()) * self.dk**-0.5).repeat_interleave(rep, dim=1)
+        k = gdn.l2norm(k.view(T, self.hk, self.dk).float()).repeat_interleave(rep, dim=1)
+        v = v.view(T, self.hv, self.dv)
+        g, beta = gdn.gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        z = self.in_proj_z(x).view(T, self.hv, self.dv)
+        return q, k, v, g, beta, z, ext
+
+    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v, g, beta, z, ext = self.qkvgb(x, s)
+        o, wy = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask)
+        self.saved = (ext, s.window, s.path_mask, wy)
+        o = self.norm(o.to(x.dtype), z)  # [T, hv, dv]
+        return self.out_proj(o.reshape(T, -1))
+
+    def commit(self, last: torch.Tensor):
+        """Set conv and recurrent state to those after tree node `last` (0-dim device tensor)."""
+        ext, window, path_mask, (k, U, c) = self.saved
+        rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
+        self.conv_state.copy_(ext.index_select(0, rows))
+        self.rec_state.copy_(gdn.commit_state(self.rec_state, k, U, c, last, path_mask))
+        self.saved = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
+
+    @property
+    def mixer(self):
+        return self.linear_attn if self.kind == "linear_attention" else self.self_attn
+
+    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        x = x + self.mixer(self.input_layernorm(x), s)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def rope_tables(cfg: TargetConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    rd = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
+    freqs = torch.arange(max_len, dtype=torch.float32, device=device)[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, rd]
+    return emb.cos(), emb.sin()
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, t) for t in cfg.layer_types])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tap_layers: list[int] = []  # residual stream after these layers is returned (drafter context)
+        self.layer_devices: list[torch.device] = []
+        self.max_len = 0
+        self._rope: dict = {}
+
+    # ------------------------------------------------------------------ placement and state
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def out_device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def allocate_state(self, max_len: int):
+        """Allocate every cache buffer once, on each layer's device."""
+        self.max_len = max_len
+        self.layer_devices = [layer.input_layernorm.weight.device for layer in self.layers]
+        for layer, dev in zip(self.layers, self.layer_devices):
+            if layer.kind == "linear_attention":
+                layer.linear_attn.allocate(dev, self.dtype)
+            else:
+                layer.self_attn.allocate(max_len, dev, self.dtype)
+        self._rope = {d: rope_tables(self.cfg, max_len, d) for d in set(self.layer_devices)}
+
+    def reset(self):
+        for layer in self.layers:
+            if layer.kind == "linear_attention":
+                layer.linear_attn.reset()
+
+    # ------------------------------------------------------------------ forward
+    def make_step(self, positions, path_mask, parents, start, kv_len: int, device) -> Step:
+        T = positions.shape[0]
+        key = torch.arange(kv_len, device=device)
+        local = key[None, :] - start  # [1, kv_len] index inside the tree
+        in_tree = (local >= 0) & (local < T)
+        tree_vis = path_mask.gather(1, local.clamp(0, T - 1).expand(T, -1)) & in_tree
+        attn_mask = (key[None, :] < start) | tree_vis  # [T, kv_len]
+        cos, sin = self._rope[device]
+        return Step(
+            positions=positions,
+            path_mask=path_mask,
+            window=gdn.conv_window_index(parents, self.cfg.conv_kernel),
+            attn_mask=attn_mask,
+            cos=cos[positions],
+            sin=sin[positions],
+            start=start,
+            kv_len=kv_len,
+        )
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        path_mask: torch.Tensor,
+        parents: torch.Tensor,
+        start: torch.Tensor,
+        kv_len: int,
+        logit_rows: torch.Tensor | None = None,
+        want_taps: bool = True,
+    ):
+        """tokens/positions/parents [T] long, path_mask [T, T] bool, start 0-dim long: all on self.device.
+
+        Returns logits [R, vocab] (R = T, or len(logit_rows)) and the tap hidden states
+        [T, len(tap_layers) * hidden] on out_device (None if not wanted).
+        """
+        steps: dict = {}
+
+        def step_on(dev):
+            if dev not in steps:
+                args = [t.to(dev, non_blocking=True) for t in (positions, path_mask, parents, start)]
+                steps[dev] = self.make_step(*args, kv_len, dev)
+            return steps[dev]
+
+        x = self.embed_tokens(tokens)
+        taps = []
+        for i, (layer, dev) in enumerate(zip(self.layers, self.layer_devices)):
+            if x.device != dev:
+                x = x.to(dev, non_blocking=True)
+            x = layer(x, step_on(dev))
+            if want_taps and i in self.tap_layers:
+                taps.append(x)
+        x = x.to(self.out_device, non_blocking=True)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows.to(x.device))
+        logits = self.lm_head(self.norm(x))
+        tap = torch.cat([t.to(self.out_device, non_blocking=True) for t in taps], -1) if taps else None
+        return logits, tap
+
+    def commit(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor, start: torch.Tensor):
+        """Keep the path path_nodes[:n_nodes] of the last forward (root first; padding repeats the last).
+
+        path_nodes [P] long and n_nodes, start 0-dim long, on self.device; no host sync.
+        """
+        last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
+        cache: dict = {}
+        for layer, dev in zip(self.layers, self.layer_devices):
+            if dev not in cache:
+                cache[dev] = tuple(t.to(dev, non_blocking=True) for t in (path_nodes, last, start))
+            p, l_, s = cache[dev]
+            if layer.kind == "linear_attention":
+                layer.linear_attn.commit(l_)
+            else:
+                layer.self_attn.commit(p, s)
+
+    # ------------------------------------------------------------------ convenience (host-driven)
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, start: int = 0, chunk: int = 64):
+        """Run `tokens` [T] as a chain from committed length `start`; commit all of them.
+
+        Returns the last row's logits [vocab] and taps [T, taps*hidden] (or None).
+        """
+        dev = self.device
+        taps, logits = [], None
+        tril = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()
+        for s0 in range(0, tokens.shape[0], chunk):
+            t = tokens[s0 : s0 + chunk].to(dev)
+            T = t.shape[0]
+            pos = start + s0 + torch.arange(T, device=dev)
+            parents = torch.arange(T, device=dev) - 1
+            st = torch.tensor(start + s0, device=dev)
+            logits, tap = self.forward(
+                t, pos, tril[:T, :T], parents, st, start + s0 + T,
+                logit_rows=torch.tensor([T - 1], device=dev), want_taps=bool(self.tap_layers),
+            )
+            self.commit(torch.arange(T, device=dev), torch.tensor(T, device=dev), st)
+            if tap is not None:
+                taps.append(tap)
+        return logits[0], (torch.cat(taps) if taps else None)
+
+    @torch.no_grad()
+    def forward_chain(self, tokens: torch.Tensor, start: int):
+        """Logits for every position of a chain (no commit). For tests and transformers parity."""
+        dev = self.device
+        T = tokens.shape[0]
+        tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        return self.forward(
+            tokens.to(dev), start + torch.arange(T, device=dev), tril, torch.arange(T, device=dev) - 1,
+            torch.tensor(start, device=dev), start + T,
+        )
+
+
+def layer_bytes(cfg: TargetConfig, dtype_bytes: int = 2) -> list[int]:
+    """Weight bytes of every decoder layer (placement and roofline accounting)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    mlp = 3 * h * inter
+    attn = h * cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1) + 2 * h * cfg.num_kv_heads * cfg.head_dim
+    attn += cfg.num_heads * cfg.head_dim * h
+    vdim = cfg.gdn_num_v_heads * cfg.gdn_v_dim
+    lin = h * cfg.gdn_conv_dim + h * vdim + 2 * h * cfg.gdn_num_v_heads + vdim * h + cfg.gdn_conv_dim * cfg.conv_kernel
+    return [dtype_bytes * (mlp + (lin if t == "linear_attention" else attn)) for t in cfg.layer_types]
+
+
+def weight_bytes_per_token(cfg: TargetConfig, dtype_bytes: int = 2) -> int:
+    """Bytes a decode step must read: all layers + lm_head (the embedding row is negligible)."""
+    return sum(layer_bytes(cfg, dtype_bytes)) + dtype_bytes * cfg.vocab_size * cfg.hidden_size
+
+
+def split_layers(cfg: TargetConfig, devices: list[torch.device]) -> list[torch.device]:
+    """Contiguous layer split with about equal weight bytes per device (embedding on the first,
+    lm_head on the last device count towards their shares)."""
+    if len(devices) == 1:
+        return [devices[0]] * cfg.num_layers
+    lb = layer_bytes(cfg)
+    head = 2 * cfg.vocab_size * cfg.hidden_size
+    total = sum(lb) + head  # the embedding is read one row a token: it does not count
+    share = total / len(devices)
+    out, acc, d = [], 0.0, 0
+    for b in lb:
+        if acc + b / 2 > share * (d + 1) and d < len(devices) - 1:
+            d += 1
+        out.append(devices[d])
+        acc += b
+    return out

@@ -1,0 +1,190 @@
+"""Tiny random models for tests, the selftest and benchmarks (no download).
+
+`tiny_hybrid_config` / `tiny_dense_config` give HF-style config dicts; `build_random_pair` makes
+our target (+ optional drafter) with random weights; `hf_reference` builds transformers' own
+model on the same weights for parity tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ddtree.config import DrafterConfig, TargetConfig
+
+
+def tiny_hybrid_config(
+    vocab=97, hidden=64, layers=("linear_attention", "linear_attention", "full_attention", "linear_attention"),
+    heads=4, kv_heads=2, head_dim=16, partial=0.5, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=8, gdn_v_dim=12,
+    inter=96, theta=10000.0,
+) -> dict:
+    """A Qwen3_5ForConditionalGeneration-style config (nested text_config)."""
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_5_text",
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": inter,
+            "num_hidden_layers": len(layers),
+            "layer_types": list(layers),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "attn_output_gate": True,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": gdn_k_dim,
+            "linear_value_head_dim": gdn_v_dim,
+            "linear_num_key_heads": gdn_k_heads,
+            "linear_num_value_heads": gdn_v_heads,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 4096,
+            "hidden_act": "silu",
+            "rope_parameters": {
+                "rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial,
+                "mrope_section": [1, 1, 0] if head_dim * partial <= 8 else [11, 11, 10], "mrope_interleaved": True,
+            },
+            "eos_token_id": 0,
+            "tie_word_embeddings": False,
+        },
+    }
+
+
+def tiny_dense_config(vocab=97, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, inter=96) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "eos_token_id": 0,
+    }
+
+
+def tiny_drafter_config(target: dict, layers=1, block_size=8, mask_token_id=1, taps=None, sliding=None) -> dict:
+    tc = target.get("text_config", target)
+    n_target = tc["num_hidden_layers"]
+    types = ["full_attention"] * layers
+    if sliding:
+        types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": tc["hidden_size"],
+        "intermediate_size": 80,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "vocab_size": tc["vocab_size"],
+        "layer_types": types,
+        "sliding_window": sliding,
+        "block_size": block_size,
+        "num_target_layers": n_target,
+        "dflash_config": {"mask_token_id": mask_token_id,
+                          "target_layer_ids": taps if taps is not None else sorted({0, n_target // 2, n_target - 1})},
+    }
+    return cfg
+
+
+def randomize_(module: torch.nn.Module, seed: int, std: float = 0.02):
+    """Deterministic random init that keeps the hybrid numerically tame (norm weights near their
+    identity, GDN decay parameters in their trained ranges)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        with torch.no_grad():
+            if name.endswith("A_log"):
+                vals = torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log()
+            elif name.endswith("dt_bias"):
+                vals = torch.empty(p.shape).uniform_(-1, 1, generator=gen)
+            elif "norm" in name:
+                vals = torch.randn(p.shape, generator=gen) * 0.1
+                if not _plus_one_norm(module, name):
+                    vals = vals + 1.0
+            elif "conv1d" in name:
+                vals = torch.randn(p.shape, generator=gen) * 0.3
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                vals = torch.randn(p.shape, generator=gen) * max(std, 1.0 / math.sqrt(fan_in))
+            p.copy_(vals.to(p.dtype))
+    return module
+
+
+def _plus_one_norm(module, name: str) -> bool:
+    # Our RMSNorm modules carry the flag; plain-weight norms (gated GDN norm, drafter) do not.
+    obj = module
+    for part in name.split(".")[:-1]:
+        obj = getattr(obj, part)
+    return bool(getattr(obj, "plus_one", False))
+
+
+def build_random_target(raw_cfg: dict, device="cpu", dtype=torch.float32, seed=0, max_len=512):
+    from ddtree.target import TargetModel
+
+    cfg = TargetConfig.from_dict(raw_cfg)
+    model = TargetModel(cfg)
+    randomize_(model, seed)
+    model.to(device=device, dtype=dtype)
+    model.allocate_state(max_len)
+    return model
+
+
+def hf_reference(model, raw_cfg: dict):
+    """transformers' own CausalLM with our model's weights (float32, eager attention)."""
+    import transformers
+
+    if raw_cfg["model_type"] == "qwen3_5":
+        hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in raw_cfg["text_config"].items() if k != "model_type"})
+        cls = transformers.Qwen3_5ForCausalLM
+    else:
+        hf_cfg = transformers.Qwen3Config(**{k: v for k, v in raw_cfg.items() if k not in ("model_type", "architectures")})
+        cls = transformers.Qwen3ForCausalLM
+    hf_cfg._attn_implementation = "eager"
+    hf = cls(hf_cfg).eval()
+    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if "rotary" not in m]
+    assert not missing and not unexpected, (missing, unexpected)
+    return hf.to(model.dtype)
+
+
+def drafter_config(raw: dict, target_raw: dict) -> DrafterConfig:
+    tc = target_raw.get("text_config", target_raw)
+    return DrafterConfig.from_dict(raw, tc["num_hidden_layers"])
+
+
+def build_random_drafter(draft_raw: dict, target, device="cpu", dtype=torch.float32, seed=1, max_len=512):
+    from ddtree.config import DrafterConfig
+    from ddtree.drafter import DFlashDrafter
+
+    cfg = DrafterConfig.from_dict(draft_raw, target.cfg.num_layers)
+    d = DFlashDrafter(cfg)
+    randomize_(d, seed)
+    d.to(device=device, dtype=dtype)
+    d.allocate_state(max_len)
+    return d
+
+
+def build_random_pair(kind="hybrid", seed=0, dtype=torch.float32, device="cpu", max_len=512, **kw):
+    """A tiny random target + drafter pair wired into a Decoder."""
+    from ddtree.decoding import Decoder
+
+    raw = tiny_hybrid_config(**kw) if kind == "hybrid" else tiny_dense_config(**kw)
+    target = build_random_target(raw, device=device, dtype=dtype, seed=seed, max_len=max_len)
+    draft = build_random_drafter(tiny_drafter_config(raw), target, device=device, dtype=dtype, seed=seed + 1, max_len=max_len)
+    return Decoder(target, draft), raw

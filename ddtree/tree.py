@@ -1,0 +1,166 @@
+"""Draft trees as flat arrays, and the DDTree best-first tree builder.
+
+A tree of N nodes is stored as flat arrays in *insertion order* (parents always precede children),
+the layout vLLM / SGLang use for tree attention. Node 0 is the root (the bonus token, already
+verified); nodes 1..N-1 are draft nodes. Each draft node is a prefix (r_1, ..., r_d) of per-depth
+ranks into the drafter's top-K at depths 1..d; its token is ``topk_ids[d-1, r_d]`` and its score is
+``sum_i topk_logprobs[i-1, r_i]``.
+
+Worked example: D=3, K=2, budget=5, root token ``a``, with
+``topk_ids = [[b, c], [d, e], [f, g]]`` and ``topk_logprobs = [[-0.1, -0.9], [-0.2, -0.7], [-0.3, -2.0]]``.
+Best-first pops (score): b (-0.1), bd (-0.3), bdf (-0.6), be (-0.8), c (-0.9)::
+
+            0:a                  depth 0
+           /    \\
+        1:b      5:c             depth 1   (ranks 0, 1)
+       /    \\
+     2:d    4:e                  depth 2   (ranks 0, 1)
+      |
+     3:f                         depth 3   (rank 0)
+
+    node            0   1   2   3   4   5
+    tokens          a   b   d   f   e   c
+    parents        -1   0   1   2   1   0
+    depths          0   1   2   3   2   1
+    ranks           0   0   0   0   1   1
+
+    ancestor_mask   0 1 2 3 4 5          built row by row:
+                 0  1 . . . . .            vis[i, :i] = vis[parents[i], :i]; vis[i, i] = True
+                 1  1 1 . . . .          (row i = path(i): root..i), so a node attends exactly
+                 2  1 1 1 . . .          to its ancestors and itself. Positions are start + depths.
+                 3  1 1 1 1 . .
+                 4  1 1 . . 1 .
+                 5  1 . . . . 1
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [N] int64; node 0 is the root (the bonus token)
+    parents: torch.Tensor  # [N] int64; parents[0] = -1; parents[n] < n
+    depths: torch.Tensor  # [N] int64; depths[0] = 0
+    ranks: torch.Tensor  # [N] int64; rank of node n's token in the drafter's top-k at its depth (root 0)
+    ancestor_mask: torch.Tensor  # [N, N] bool; [n, j] = j is on path(n) = ancestors of n and n itself
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def to(self, device) -> "Tree":
+        return Tree(*(t.to(device, non_blocking=True) for t in
+                      (self.tokens, self.parents, self.depths, self.ranks, self.ancestor_mask)))
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> "Tree":
+        """A path: tokens[0] is the root, node n's parent is n-1 (ranks all 0)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)  # [N]
+        n = tokens.shape[0]
+        ar = torch.arange(n, dtype=torch.int64)
+        return cls(tokens=tokens, parents=ar - 1, depths=ar.clone(),
+                   ranks=torch.zeros(n, dtype=torch.int64),
+                   ancestor_mask=torch.ones(n, n, dtype=torch.bool).tril())
+
+    def path_to(self, node: int) -> list[int]:
+        """Node ids from the root to ``node`` (inclusive)."""
+        parents = self.parents.tolist()
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+
+def _ancestor_mask_np(parents: list[int]) -> np.ndarray:
+    n = len(parents)
+    vis = np.zeros((n, n), dtype=np.bool_)  # [N, N]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            vis[i] = vis[p]  # p < i, so row p is final and zero from column p+1 on
+        vis[i, i] = True
+    return vis
+
+
+def ancestor_mask_from_parents(parents) -> torch.Tensor:
+    """[N] parents (parents[0] = -1, parents[n] < n) -> [N, N] bool ancestor-or-self mask."""
+    p = parents.tolist() if hasattr(parents, "tolist") else list(parents)
+    return torch.from_numpy(_ancestor_mask_np(p))
+
+
+def _as_list(x) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def build_tree(root_token: int, topk_logprobs, topk_ids, budget: int, top1_first: bool = False) -> Tree:
+    """DDTree best-first tree: the ``budget`` highest-scoring rank prefixes (plus the root).
+
+    topk_logprobs: [D, K] float, per-depth log-probs sorted descending along K (torch or numpy).
+    topk_ids:      [D, K] int, the matching token ids.
+    With ``top1_first`` the rank-0 chain (min(D, budget) nodes) is inserted first, then the rest
+    best-first. N = budget + 1, or fewer when the tree holds every prefix (sum_d K^d < budget).
+    """
+    budget = int(budget)
+    # A rank-r node needs its r elder siblings first and a depth-d node its d-1 ancestors,
+    # so nothing past `budget` along either axis is reachable: slice before converting.
+    lp = _as_list(topk_logprobs[:budget, :budget])  # [D', K'] python floats
+    ids = _as_list(topk_ids[:budget, :budget])  # [D', K'] python ints
+    D = len(lp)
+    K = len(lp[0]) if D else 0
+    chain_len = min(D, budget) if top1_first else 0
+
+    tokens, parents, depths, ranks = [int(root_token)], [-1], [0], [0]
+    # Heap entry: (key, counter, score, depth, rank, parent node). key = -score, except the
+    # top-1 chain candidate under top1_first gets -inf so it pops first; the counter breaks ties
+    # deterministically (earlier push wins). Each prefix is pushed exactly once (rank 0 by its
+    # parent, rank r>0 by its elder sibling), so there are no duplicates.
+    heap = []
+    counter = 0
+    if budget > 0 and K > 0:
+        s = lp[0][0]
+        heap.append((-np.inf if chain_len >= 1 else -s, 0, s, 1, 0, 0))
+        counter = 1
+    push, pop = heapq.heappush, heapq.heappop
+    while heap and len(tokens) <= budget:
+        _, _, s, d, r, p = pop(heap)
+        node = len(tokens)
+        tokens.append(ids[d - 1][r])
+        parents.append(p)
+        depths.append(d)
+        ranks.append(r)
+        if d < D:  # first child
+            cs = s + lp[d][0]
+            # chain nodes are exactly nodes 1..chain_len, node i at depth i
+            key = -np.inf if (r == 0 and node == d and d + 1 <= chain_len) else -cs
+            push(heap, (key, counter, cs, d + 1, 0, node))
+            counter += 1
+        if r + 1 < K:  # next sibling (never a chain node)
+            ss = s - lp[d - 1][r] + lp[d - 1][r + 1]
+            push(heap, (-ss, counter, ss, d, r + 1, p))
+            counter += 1
+
+    mask = torch.from_numpy(_ancestor_mask_np(parents))
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return Tree(tokens=as_t(tokens), parents=as_t(parents), depths=as_t(depths),
+                ranks=as_t(ranks), ancestor_mask=mask)
+
+
+def benchmark_build(budget: int, depth: int = 15, k: int | None = None, repeats: int = 200) -> float:
+    """Mean wall time (ms) of ``build_tree`` on random CPU drafter top-k (k defaults to 64)."""
+    k = 64 if k is None else k
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(depth, max(k, 1000), generator=g) * 3.0  # [D, V]
+    lp, ids = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [D, K] sorted descending
+    for _ in range(5):
+        build_tree(0, lp, ids, budget)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        build_tree(0, lp, ids, budget)
+    return (time.perf_counter() - t0) * 1e3 / repeats
