@@ -43,9 +43,10 @@ def walk(tokens, parents, depths, path_mask, choice, P: int):
     match = (tokens == choice[parents.clamp(min=0)]) | (idx == 0)
     accepted = ~(path_mask & ~match[None, :]).any(1)
     last = torch.where(accepted, depths, -1).argmax()
-    d_last = depths[last]
+    # gather/index_select, not tensor[last]: a 0-dim index would read `last` back to the host
+    d_last = depths.gather(0, last.view(1))[0]
     d = torch.arange(P, device=tokens.device)
-    on_path = path_mask[last][None, :] & (depths[None, :] == d[:, None])  # [P, T]
+    on_path = path_mask.index_select(0, last.view(1)) & (depths[None, :] == d[:, None])  # [P, T]
     path_nodes = torch.where(d <= d_last, on_path.to(torch.int32).argmax(1), last)
     return last, d_last + 1, path_nodes
 
@@ -90,15 +91,50 @@ class _Draft:
     topk_ids: torch.Tensor | None
 
 
-class Decoder:
-    """Runs `ar`, `dflash` or `ddtree` on a loaded target (+ drafter)."""
+def _bucket(n: int, size: int) -> int:
+    return -(-n // size) * size
 
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, max_len: int | None = None):
+
+class _Slot:
+    """Static device buffers for one tree size T (graph inputs are written in place)."""
+
+    def __init__(self, T: int, dev):
+        self.tokens = torch.zeros(T, dtype=torch.long, device=dev)
+        self.depths = torch.zeros(T, dtype=torch.long, device=dev)
+        self.parents = torch.zeros(T, dtype=torch.long, device=dev)
+        self.mask = torch.zeros(T, T, dtype=torch.bool, device=dev)
+        self.choice = torch.zeros(T, dtype=torch.long, device=dev)
+
+    def load(self, tree: Tree):
+        for dst, src in ((self.tokens, tree.tokens), (self.depths, tree.depths), (self.parents, tree.parents),
+                         (self.mask, tree.ancestor_mask)):
+            dst.copy_(src, non_blocking=True)
+
+
+class Decoder:
+    """Runs `ar`, `dflash` or `ddtree` on a loaded target (+ drafter).
+
+    A round is three fixed-shape functions over static buffers: `_verify` (target forward, greedy
+    choice), `_commit` (walk, commit) and `_draft` (drafter, pack). On CUDA each is captured once per
+    (tree size, context bucket) as a CUDA graph and replayed; on CPU they run eagerly. The
+    committed length lives on the device (`start_d`) and is advanced in place.
+    """
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, max_len: int | None = None,
+                 use_graphs: bool | None = None, bucket: int = 256):
         self.target, self.drafter = target, drafter
         self.max_len = max_len or target.max_len
+        dev = target.device
+        self.use_graphs = (dev.type == "cuda") if use_graphs is None else use_graphs
+        self.bucket = bucket
+        self.start_d = torch.zeros((), dtype=torch.long, device=dev)
+        self._slots: dict[int, _Slot] = {}
+        self._graphs: dict = {}
+        self._outs: dict = {}
         if drafter is not None:
             target.tap_layers = list(drafter.cfg.target_layer_ids)
             drafter.attach(target.embed_tokens, target.lm_head)
+            drafter.gather_logits = target.gather_logits
 
     @property
     def block_size(self) -> int:
@@ -118,6 +154,76 @@ class Decoder:
         if method == "dflash":
             return Tree.chain(torch.cat([torch.tensor([bonus]), draft.topk_ids[:, 0]]))
         return build_tree(bonus, draft.topk_lp, draft.topk_ids, budget, top1_first=top1_first)
+
+    def _slot(self, T: int) -> _Slot:
+        if T not in self._slots:
+            self._slots[T] = _Slot(T, self.target.device)
+        return self._slots[T]
+
+    def _verify(self, slot: _Slot, kv_len: int, greedy: bool, taps: bool):
+        """Target forward over the tree in `slot`. -> (logits [T, V], taps [T, *] | None)."""
+        start = self.start_d
+        logits, tap = self.target.forward(slot.tokens, start + slot.depths, slot.mask, slot.parents, start,
+                                          kv_len, want_taps=taps)
+        if greedy:
+            slot.choice.copy_(logits.argmax(-1))
+        return logits, tap
+
+    def _commit(self, slot: _Slot, P: int):
+        """Walk the verified tree and commit the accepted path. -> (path_nodes [P], n 0-dim, bonus 0-dim)."""
+        last, n_d, path_nodes = walk(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P)
+        self.target.commit(path_nodes, n_d, self.start_d)
+        return path_nodes, n_d, slot.choice.gather(0, last.view(1))[0]
+
+    def _draft(self, committed, taps, draft_kv: int, k: int, sp: SamplingParams):
+        """Drafter context += accepted rows; draft the next block; advance start_d.
+
+        -> packed floats for the host: [n, bonus, path_nodes (P), topk logprobs (D*k), topk ids (D*k)].
+        """
+        path_nodes, n_d, bonus = committed
+        parts = [n_d.view(1).float(), bonus.view(1).float(), path_nodes.float()]
+        if taps is not None:
+            self.drafter.add_context(taps.index_select(0, path_nodes.to(taps.device)), n_d)
+            lp, ids = self._draft_topk(bonus, draft_kv, k, sp)
+            parts += [lp.flatten().to(bonus.device), ids.flatten().float().to(bonus.device)]
+        self.start_d.add_(n_d)
+        return torch.cat(parts)
+
+    def _run(self, key, fn):
+        """Run fn() eagerly, or through a CUDA graph captured on first use of `key`."""
+        if not self.use_graphs:
+            return fn()
+        if key not in self._graphs:
+            # Warm up on a side stream (allocator, cuBLAS handles), then capture. The warm-up
+            # mutates state, so it is run on snapshots: capture only reads buffers' addresses.
+            snap = self._snapshot()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            self._restore(snap)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = fn()
+            self._restore(snap)  # capture also ran nothing, but keep the state exact
+            self._graphs[key], self._outs[key] = g, out
+        self._graphs[key].replay()
+        return self._outs[key]
+
+    def _snapshot(self):
+        tensors = [self.start_d]
+        for layer in self.target.layers:
+            m = layer.mixer
+            tensors += [m.conv_state, m.rec_state] if layer.kind == "linear_attention" else []
+        if self.drafter is not None:
+            tensors.append(self.drafter.ctx_len)
+        return [(t, t.clone()) for t in tensors]
+
+    @staticmethod
+    def _restore(snap):
+        for t, c in snap:
+            t.copy_(c)
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -146,7 +252,8 @@ class Decoder:
         tgt, dev = self.target, self.target.device
         depth = self.block_size - 1
         n_max = {"ar": 1, "dflash": depth + 1, "ddtree": budget + 1}[method]
-        need = len(prompt_ids) + max_new_tokens + n_max
+        P = 1 if method == "ar" else depth + 1  # path length buffers: fixed per method
+        need = len(prompt_ids) + max_new_tokens + max(n_max, P)
         if need > self.max_len:
             raise DDTreeError(
                 f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens {max_new_tokens} + tree ({n_max}) exceeds "
@@ -157,6 +264,7 @@ class Decoder:
             gen = torch.Generator(device=dev)
             gen.manual_seed(seed)
         k = min(budget, tgt.cfg.vocab_size) if method == "ddtree" else 1
+        taps_on = method != "ar"
         tgt.reset()
         if self.drafter is not None:
             self.drafter.reset()
@@ -166,13 +274,13 @@ class Decoder:
         t0 = time.perf_counter()
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
         if self.drafter is not None:
-            tgt.tap_layers = list(self.drafter.cfg.target_layer_ids) if method != "ar" else []
-        logits, taps = tgt.prefill(prompt)
+            tgt.tap_layers = list(self.drafter.cfg.target_layer_ids) if taps_on else []
+        logits, taps = tgt.prefill(prompt, chunk=256 if dev.type == "cuda" else 64)
         bonus_d = choose(logits[None], sampling, gen)[0]
         draft = None
-        if method != "ar":
+        if taps_on:
             self.drafter.add_context(taps)
-            lp, ids = self._draft_topk(bonus_d, len(prompt_ids), k, sampling)
+            lp, ids = self._draft_topk(bonus_d, min(_bucket(len(prompt_ids), self.bucket), self.max_len), k, sampling)
             host = torch.cat([bonus_d.view(1).float(), lp.flatten(), ids.flatten().float()]).cpu()
             D = lp.shape[0]
             draft = _Draft(0, [], int(host[0]), host[1 : 1 + D * k].view(D, k), host[1 + D * k :].view(D, k).long())
@@ -186,46 +294,41 @@ class Decoder:
         if on_tokens:
             on_tokens([bonus])
         start = len(prompt_ids)
-        start_d = torch.tensor(start, device=dev)
+        self.start_d.fill_(start)
         clock = StageClock(dev)
         rounds: list[RoundRecord] = []
         pending_times: list[list] = []
         t_dec = time.perf_counter()
         while len(out) < max_new_tokens and not stopped:
-            # ---------------- tree (host) and upload
+            # ---------------- tree (host) and upload into the static slot
             h0 = time.perf_counter()
             tree = self._tree(method, bonus, draft, budget, top1_first)
             T = tree.num_nodes
-            dmax = int(tree.depths.max())
-            td = tree.to(dev)
-            parents = td.parents
+            slot = self._slot(T)
+            slot.load(tree)
             host_tree_ms = (time.perf_counter() - h0) * 1e3
-            # ---------------- verify + walk
+            kv_len = min(_bucket(start + T, self.bucket), self.max_len)
+            draft_kv = min(_bucket(start + P, self.bucket), self.max_len)
+            # ---------------- verify (+ greedy choice)
             e0 = clock.now()
-            logits, taps = tgt.forward(td.tokens, start_d + td.depths, td.ancestor_mask, parents, start_d,
-                                       start + T, want_taps=method != "ar")
-            choice = choose(logits, sampling, gen)
-            last, n_d, path_nodes = walk(td.tokens, parents, td.depths, td.ancestor_mask, choice, dmax + 1)
+            logits, taps = self._run(("verify", T, kv_len, sampling.greedy, taps_on),  # = vkey
+                                     lambda: self._verify(slot, kv_len, sampling.greedy, taps_on))
+            if not sampling.greedy:
+                slot.choice.copy_(choose(logits, sampling, gen))
             e1 = clock.now()
-            # ---------------- commit
-            tgt.commit(path_nodes, n_d, start_d)
-            new_bonus = choice[last]
+            # ---------------- walk and commit (graph keys chain: they read the verify graph's buffers)
+            vkey = ("verify", T, kv_len, sampling.greedy, taps_on)
+            committed = self._run(("commit", vkey, P), lambda: self._commit(slot, P))
             e2 = clock.now()
             # ---------------- draft the next block
-            if method != "ar":
-                self.drafter.add_context(taps.index_select(0, path_nodes.to(taps.device)), n_d)
-                lp, ids = self._draft_topk(new_bonus, start + dmax + 1, k, sampling)
-                parts = [n_d.view(1).float(), new_bonus.view(1).float(), path_nodes.float(), lp.flatten(), ids.flatten().float()]
-            else:
-                parts = [n_d.view(1).float(), new_bonus.view(1).float(), path_nodes.float()]
+            packed = self._run(("draft", vkey, P, draft_kv, k, sampling),
+                               lambda: self._draft(committed, taps, draft_kv, k, sampling))
             e3 = clock.now()
-            start_d = start_d + n_d
-            host = torch.cat([p.to(dev) for p in parts]).cpu()  # the round's one device-to-host sync
+            host = packed.cpu()  # the round's one device-to-host sync
             n, bonus = int(host[0]), int(host[1])
-            path = host[2 : 3 + dmax].long().tolist()[:n]
-            if method != "ar":
-                D = lp.shape[0]
-                o = 3 + dmax
+            path = host[2 : 2 + P].long().tolist()[:n]
+            if taps_on:
+                D, o = depth, 2 + P
                 draft = _Draft(n, path, bonus, host[o : o + D * k].view(D, k), host[o + D * k :].view(D, k).long())
             start += n
             # ---------------- emit: accepted draft tokens, then the new bonus
@@ -239,12 +342,12 @@ class Decoder:
             if on_tokens:
                 on_tokens(toks)
             ranks = tree.ranks[path[1:]].tolist()
-            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=dmax, accepted=n - 1, accepted_ranks=ranks,
-                                      committed=len(toks), times_ms={}))
+            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=int(tree.depths.max()), accepted=n - 1,
+                                      accepted_ranks=ranks, committed=len(toks), times_ms={}))
             pending_times.append([("tree", host_tree_ms), ("verify", e0, e1), ("commit", e1, e2), ("draft", e2, e3)])
         sync(dev)
         decode_s = time.perf_counter() - t_dec
-        self._fill_times(clock, rounds, pending_times, method)
+        self._fill_times(clock, rounds, pending_times)
         return GenerationRecord(
             prompt_id=prompt_id, prompt_tokens=len(prompt_ids), new_tokens=len(out), token_ids=out,
             text=decode_text(out) if decode_text else "", prefill_s=ttft, decode_s=decode_s, ttft_s=ttft,
@@ -252,19 +355,12 @@ class Decoder:
         )
 
     @staticmethod
-    def _fill_times(clock: StageClock, rounds, pending, method):
-        for rec, marks in zip(rounds, pending):
-            for m in marks:
-                if len(m) == 2:
-                    rec.times_ms[m[0]] = m[1]
-                else:
-                    clock.add(*m)
-        resolved = clock.resolve()
-        i = 0
-        for rec, marks in zip(rounds, pending):
+    def _fill_times(clock: StageClock, rounds, pending):
+        for marks in pending:
             for m in marks:
                 if len(m) == 3:
-                    name, ms = resolved[i]
-                    i += 1
-                    if not (method == "ar" and name == "draft"):
-                        rec.times_ms[name] = ms
+                    clock.add(*m)
+        resolved = iter(clock.resolve())
+        for rec, marks in zip(rounds, pending):
+            for m in marks:
+                rec.times_ms[m[0]] = m[1] if len(m) == 2 else next(resolved)[1]

@@ -98,6 +98,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, plus_one=False)
         self.embed: nn.Embedding | None = None  # the target's (not registered: not ours to save)
         self.head: nn.Linear | None = None
+        self.gather_logits = lambda x: x  # set from the target under tensor parallelism
         self.ctx_len: torch.Tensor | None = None  # 0-dim long on the device: context rows cached
 
     @property
@@ -154,7 +155,7 @@ class DFlashDrafter(nn.Module):
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, self.ctx_len, kv_len, q_pos)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         h = self.norm(x[1:]).to(self.head.weight.device)
-        logits = self.head(h).float() * cfg.output_multiplier
+        logits = self.gather_logits(self.head(h)).float() * cfg.output_multiplier
         if cfg.final_logit_softcapping:
             logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         return logits

@@ -34,11 +34,18 @@ class RMSNorm(nn.Module):
         self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        d = (x.shape[-1],)
         if self.plus_one:  # Qwen3.5: (x * (1 + w)) computed in fp32
-            return (xf * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * xf.to(x.dtype)  # Qwen3: cast, then scale
+            w = self.__dict__.get("_w_eff")
+            if w is None:
+                w = 1.0 + self.weight.float()
+            return F.rms_norm(x.float(), d, w, self.eps).type_as(x)
+        return self.weight * F.rms_norm(x.float(), d, None, self.eps).to(x.dtype)  # Qwen3: cast, then scale
+
+    def prepare(self):
+        """Precompute (1 + w) in fp32 once (not a parameter: not saved, not loaded)."""
+        if self.plus_one:
+            self.__dict__["_w_eff"] = 1.0 + self.weight.detach().float()
 
 
 class GatedRMSNorm(nn.Module):
@@ -64,7 +71,35 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, fused(self, "_wgu", self.gate_proj, self.up_proj)).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _identity(x):
+    return x
+
+
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One weight for several projections of the same input (one GEMM instead of several).
+
+    The linears' weights become views into the fused tensor, so state_dict and loading still
+    see the checkpoint's names and no memory is duplicated.
+    """
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    o = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(w[o : o + n], requires_grad=False)
+        o += n
+    return w
+
+
+def fused(module: nn.Module, name: str, *linears: nn.Linear):
+    """The fused weight `name` of `module`, built on first use (kept out of parameters)."""
+    w = module.__dict__.get(name)
+    if w is None or w.device != linears[0].weight.device:
+        w = module.__dict__[name] = fuse_linears(*linears)
+    return w
 
 
 def rotate_half(x):
@@ -118,15 +153,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x)
+        qkv = F.linear(x, fused(self, "_wqkv", self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = qkv.split([self.q_proj.weight.shape[0], self.kvh * self.hd, self.kvh * self.hd], dim=-1)
         if self.gated:  # per head: [query | gate]
             q, gate = q.view(T, self.h, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(T, -1)
         else:
             q, gate = q.view(T, self.h, self.hd), None
         q = apply_rope(self.q_norm(q), s.cos, s.sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.kvh, self.hd)), s.cos, s.sin)
-        v = self.v_proj(x).view(T, self.kvh, self.hd)
+        k = apply_rope(self.k_norm(k.reshape(T, self.kvh, self.hd)), s.cos, s.sin)
+        v = v.reshape(T, self.kvh, self.hd)
         slots = s.start + torch.arange(T, device=x.device)
         self.k_cache.index_copy_(0, slots, k)
         self.v_cache.index_copy_(0, slots, v)
@@ -179,7 +215,9 @@ class GatedDeltaNet(nn.Module):
     def qkvgb(self, x: torch.Tensor, s: Step):
         """Projections + tree convolution -> q, k (normalised, per value head), v, g, beta, z, ext."""
         T = x.shape[0]
-        ext = torch.cat([self.conv_state, self.in_proj_qkv(x)])  # [width-1+T, C]
+        w = fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        qkv, z, b, a = F.linear(x, w).split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
+        ext = torch.cat([self.conv_state, qkv])  # [width-1+T, C]
         mixed = gdn.tree_conv(ext, s.window, self.conv1d.weight[:, 0, :])  # [T, C]
         kd = self.hk * self.dk
         q, k, v = mixed.split([kd, kd, self.hv * self.dv], dim=-1)
@@ -187,8 +225,8 @@ class GatedDeltaNet(nn.Module):
         q = (gdn.l2norm(q.view(T, self.hk, self.dk).float()) * self.dk**-0.5).repeat_interleave(rep, dim=1)
         k = gdn.l2norm(k.view(T, self.hk, self.dk).float()).repeat_interleave(rep, dim=1)
         v = v.view(T, self.hv, self.dv)
-        g, beta = gdn.gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
-        z = self.in_proj_z(x).view(T, self.hv, self.dv)
+        g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias)
+        z = z.reshape(T, self.hv, self.dv)
         return q, k, v, g, beta, z, ext
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
@@ -205,7 +243,7 @@ class GatedDeltaNet(nn.Module):
         rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
         self.conv_state.copy_(ext.index_select(0, rows))
         self.rec_state.copy_(gdn.commit_state(self.rec_state, k, U, c, last, path_mask))
-        self.saved = None
+        # `saved` is kept: a captured commit graph reads these buffers on every replay
 
 
 class DecoderLayer(nn.Module):
@@ -219,14 +257,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
+        self.reduce = _identity  # ddtree.tp installs an all-reduce here
 
     @property
     def mixer(self):
         return self.linear_attn if self.kind == "linear_attention" else self.self_attn
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
-        x = x + self.mixer(self.input_layernorm(x), s)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # `reduce` sums the partial outputs of row-parallel projections under tensor parallelism.
+        x = x + self.reduce(self.mixer(self.input_layernorm(x), s))
+        return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 def rope_tables(cfg: TargetConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,6 +289,7 @@ class TargetModel(nn.Module):
         self.layer_devices: list[torch.device] = []
         self.max_len = 0
         self._rope: dict = {}
+        self.gather_logits = _identity  # ddtree.tp installs a vocab all-gather here (vocab-parallel lm_head)
 
     # ------------------------------------------------------------------ placement and state
     @property
@@ -273,6 +314,19 @@ class TargetModel(nn.Module):
             else:
                 layer.self_attn.allocate(max_len, dev, self.dtype)
         self._rope = {d: rope_tables(self.cfg, max_len, d) for d in set(self.layer_devices)}
+        self.prepare()
+
+    def prepare(self):
+        """Inference-time constants: fused projection weights, (1 + w) norm weights."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.prepare()
+            elif isinstance(m, MLP):
+                fused(m, "_wgu", m.gate_proj, m.up_proj)
+            elif isinstance(m, Attention):
+                fused(m, "_wqkv", m.q_proj, m.k_proj, m.v_proj)
+            elif isinstance(m, GatedDeltaNet):
+                fused(m, "_win", m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
 
     def reset(self):
         for layer in self.layers:
@@ -334,7 +388,7 @@ class TargetModel(nn.Module):
         x = x.to(self.out_device, non_blocking=True)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows.to(x.device))
-        logits = self.lm_head(self.norm(x))
+        logits = self.gather_logits(self.lm_head(self.norm(x)))
         tap = torch.cat([t.to(self.out_device, non_blocking=True) for t in taps], -1) if taps else None
         return logits, tap
 

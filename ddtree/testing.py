@@ -188,3 +188,60 @@ def build_random_pair(kind="hybrid", seed=0, dtype=torch.float32, device="cpu", 
     target = build_random_target(raw, device=device, dtype=dtype, seed=seed, max_len=max_len)
     draft = build_random_drafter(tiny_drafter_config(raw), target, device=device, dtype=dtype, seed=seed + 1, max_len=max_len)
     return Decoder(target, draft), raw
+
+
+@torch.no_grad()
+def init_on_device_(module: torch.nn.Module, seed: int = 0):
+    """Random init of a module whose parameters already live on their devices (no host copy):
+    for full-size benchmarks. Same recipe as `randomize_`, drawn on the device."""
+    for i, (name, p) in enumerate(module.named_parameters()):
+        gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
+        if name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape, device=p.device).uniform_(1.0, 16.0, generator=gen).log())
+        elif name.endswith("dt_bias"):
+            p.uniform_(-1, 1, generator=gen)
+        elif "norm" in name:
+            p.normal_(0.0, 0.1, generator=gen)
+            if not _plus_one_norm(module, name):
+                p.add_(1.0)
+        elif "conv1d" in name:
+            p.normal_(0.0, 0.3, generator=gen)
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1] if p.dim() > 1 else 1), generator=gen)
+
+
+def build_random_on_devices(raw_target: dict, raw_drafter: dict | None, devices, dtype=torch.bfloat16,
+                            max_len: int = 4096, seed: int = 0):
+    """Full-size random target (+ drafter) placed like load_target/load_drafter, without a checkpoint."""
+    from ddtree.config import DrafterConfig
+    from ddtree.drafter import DFlashDrafter
+    from ddtree.checkpoint import NoInit
+    from ddtree.target import TargetModel, split_layers
+
+    devices = [torch.device(d) for d in devices]
+    cfg = TargetConfig.from_dict(raw_target)
+    with torch.device("meta"), NoInit():
+        target = TargetModel(cfg)
+    placement = split_layers(cfg, devices)
+    target.embed_tokens.to_empty(device=devices[0])
+    for layer, dev in zip(target.layers, placement):
+        layer.to_empty(device=dev)
+    target.norm.to_empty(device=devices[-1])
+    target.lm_head.to_empty(device=devices[-1])
+    target.to(dtype)
+    init_on_device_(target, seed)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    target.allocate_state(max_len)
+    drafter = None
+    if raw_drafter is not None:
+        dcfg = DrafterConfig.from_dict(raw_drafter, cfg.num_layers)
+        with torch.device("meta"), NoInit():
+            drafter = DFlashDrafter(dcfg)
+        drafter.to_empty(device=devices[-1])
+        drafter.to(dtype)
+        init_on_device_(drafter, seed + 1)
+        for p in drafter.parameters():
+            p.requires_grad_(False)
+        drafter.allocate_state(max_len)
+    return target, drafter

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Mean acceptance length per method and budget on the codepair fixture (greedy).
+
+    python scripts/acceptance.py                       # 32 prompts, 192 new tokens, float32 on CPU
+    python scripts/acceptance.py --limit 4 --max-new-tokens 64
+    python scripts/acceptance.py --device cuda --dtype float32 --out results/acceptance.json
+
+Mean acceptance length (the fixture README's definition: "mean tokens committed per round, bonus
+token included") = 1 + accepted / rounds, summed over every round of every prompt (the vLLM
+formula, as in ddtree.stats). The first token comes from the prefill and is not a round. The
+script also reports committed / rounds (the same figure except for rounds cut by the token
+limit or a stop token) and, when `ar` runs too (default), checks that every method's greedy
+tokens equal `ar`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_FIXTURE = ROOT.parent / "shared" / "fixtures" / "codepair"
+# README: prompts.jsonl, float32 on CPU, greedy, 192 new tokens.
+REFERENCE = {"dflash": 1.65, 4: 1.74, 8: 1.93, 16: 2.08, 32: 2.23, 64: 2.40, 128: 2.57}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixture", type=Path, default=DEFAULT_FIXTURE, help="codepair folder (target/, drafter/, prompts.jsonl)")
+    ap.add_argument("--prompts", type=Path, default=None, help="JSONL prompts (default: FIXTURE/prompts.jsonl)")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--budgets", default="4,8,16,32,64,128", help="ddtree budgets, comma-separated")
+    ap.add_argument("--no-dflash", action="store_true", help="skip the dflash chain")
+    ap.add_argument("--no-ar", action="store_true", help="skip ar (and the exactness check against it)")
+    ap.add_argument("--no-stop", action="store_true", help="do not stop at the target's eos tokens")
+    ap.add_argument("--top1-first", action="store_true", help="insert the drafter's top-1 chain first")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--quiet", action="store_true")
+    return ap.parse_args(argv)
+
+
+def fmt_row(name, cells, width=9):
+    return f"| {name:<22} |" + "".join(f" {c:>{width}} |" for c in cells)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from ddtree.checkpoint import load_drafter, load_target, parse_dtype
+    from ddtree.decoding import Decoder
+    from ddtree.errors import DDTreeError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fx = args.fixture
+    prompts_path = args.prompts or fx / "prompts.jsonl"
+    if not (fx / "target").is_dir() or not prompts_path.is_file():
+        print(f"fixture not found under {fx}: pass --fixture DIR (with target/, drafter/, prompts.jsonl)", file=sys.stderr)
+        return 2
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    runs: list[tuple[str, str, int]] = []  # (label, method, budget)
+    if not args.no_ar:
+        runs.append(("ar", "ar", 1))
+    if not args.no_dflash:
+        runs.append(("dflash", "dflash", 1))
+    runs += [(f"ddtree-{b}", "ddtree", b) for b in budgets]
+
+    prompts = [json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()]
+    if args.limit:
+        prompts = prompts[: args.limit]
+    tok = AutoTokenizer.from_pretrained(str(fx / "target"))
+    encoded = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
+    device, dtype = torch.device(args.device), parse_dtype(args.dtype)
+    max_len = max(len(e) for e in encoded) + args.max_new_tokens + max(budgets + [16]) + 8
+    max_len = -(-max_len // 256) * 256  # whole 256-row buckets (the decoder reads context in buckets)
+    t_load = time.perf_counter()
+    try:
+        target, _ = load_target(str(fx / "target"), [device], dtype, max_len)
+        drafter, _ = load_drafter(str(fx / "drafter"), target, dtype, max_len)
+    except DDTreeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dec = Decoder(target, drafter)
+    stop = set() if args.no_stop else set(target.cfg.eos_token_ids)
+    log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, file=sys.stderr, flush=True))
+    log(f"loaded target + drafter in {time.perf_counter() - t_load:.1f}s on {device} ({args.dtype}); "
+        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, stop ids {sorted(stop)}")
+
+    results: dict[str, dict] = {}
+    ar_tokens: dict[str, list[int]] = {}
+    for label, method, budget in runs:
+        t0 = time.perf_counter()
+        per_prompt = []
+        tot = {"rounds": 0, "accepted": 0, "committed": 0, "new_tokens": 0, "tree_size": 0, "mismatches": 0}
+        for p, ids in zip(prompts, encoded):
+            rec = dec.generate(ids, method=method, budget=budget, max_new_tokens=args.max_new_tokens,
+                               stop_ids=stop, seed=0, top1_first=args.top1_first, prompt_id=p["id"])
+            rounds = rec.rounds
+            acc = sum(r.accepted for r in rounds)
+            com = sum(r.committed for r in rounds)
+            size = sum(r.tree_size for r in rounds)
+            if method == "ar":
+                ar_tokens[p["id"]] = rec.token_ids
+            same = None
+            if p["id"] in ar_tokens:
+                same = rec.token_ids == ar_tokens[p["id"]]
+                tot["mismatches"] += int(not same)
+            tot["rounds"] += len(rounds)
+            tot["accepted"] += acc
+            tot["committed"] += com
+            tot["new_tokens"] += rec.new_tokens
+            tot["tree_size"] += size
+            per_prompt.append({"id": p["id"], "prompt_tokens": len(ids), "new_tokens": rec.new_tokens,
+                               "rounds": len(rounds), "accepted": acc, "committed": com,
+                               "mean_acceptance_length": 1 + acc / len(rounds) if rounds else 1.0,
+                               "equals_ar": same, "decode_s": rec.decode_s})
+        secs = time.perf_counter() - t0
+        R = max(tot["rounds"], 1)
+        results[label] = {
+            "method": method, "budget": budget if method == "ddtree" else None,
+            "mean_acceptance_length": 1 + tot["accepted"] / R,
+            "committed_per_round": tot["committed"] / R,
+            "mean_tree_size": tot["tree_size"] / R,
+            **tot, "seconds": secs, "tokens_per_s": tot["new_tokens"] / secs if secs else 0.0,
+            "prompts": per_prompt,
+        }
+        msg = "" if method == "ar" or not ar_tokens else f", {tot['mismatches']} prompts differ from ar"
+        log(f"{label:>11}: mean acceptance length {results[label]['mean_acceptance_length']:.3f} "
+            f"({tot['rounds']} rounds, {secs:.1f}s{msg})")
+
+    # ---------------------------------------------------------------- table
+    cols = [("dflash", "chain")] + [(b, f"tree {b}") for b in budgets]
+    cols = [(k, name) for k, name in cols if (f"ddtree-{k}" if k != "dflash" else "dflash") in results]
+    meas, ref, ratio, cpr = [], [], [], []
+    for k, _ in cols:
+        r = results["dflash" if k == "dflash" else f"ddtree-{k}"]
+        meas.append(f"{r['mean_acceptance_length']:.2f}")
+        cpr.append(f"{r['committed_per_round']:.2f}")
+        rv = REFERENCE.get(k)
+        ref.append(f"{rv:.2f}" if rv else "-")
+        ratio.append(f"{r['mean_acceptance_length'] / rv:.3f}" if rv else "-")
+    print(f"\nmean acceptance length (1 + accepted/rounds), greedy, {len(prompts)} prompts, "
+          f"{args.max_new_tokens} new tokens, {args.dtype} on {args.device}\n")
+    print(fmt_row("", [name for _, name in cols]))
+    print("|" + "-" * 24 + "|" + "|".join("-" * 11 for _ in cols) + "|")
+    print(fmt_row("measured", meas))
+    print(fmt_row("committed / round", cpr))
+    print(fmt_row("README (fp32 CPU)", ref))
+    print(fmt_row("measured / README", ratio))
+    base = results.get("dflash")
+    if base:
+        gain = [f"{results[f'ddtree-{k}']['mean_acceptance_length'] / base['mean_acceptance_length'] - 1:+.1%}"
+                if k != "dflash" else "-" for k, _ in cols]
+        print(fmt_row("tree vs chain", gain))
+    if ar_tokens:
+        bad = {k: v["mismatches"] for k, v in results.items() if v["method"] != "ar" and v["mismatches"]}
+        print("\nexact vs ar: " + ("all methods equal ar on every prompt" if not bad else f"MISMATCHES {bad}"))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "num_prompts": len(prompts), "reference": {str(k): v for k, v in REFERENCE.items()},
+               "torch": torch.__version__, "results": results}
+        args.out.write_text(json.dumps(doc, indent=2))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

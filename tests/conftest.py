@@ -1,0 +1,63 @@
+"""Shared test helpers: the ../shared codepair fixture (skipped with a reason when absent) and
+the environment for running the `ddtree` command in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE_DIR = Path(__file__).parents[1].parent / "shared" / "fixtures" / "codepair"
+FIXTURE_REASON = (
+    f"codepair fixture not found at {FIXTURE_DIR}: clone the project with its ../shared folder beside it"
+)
+
+
+def have_fixture() -> bool:
+    return (FIXTURE_DIR / "target" / "config.json").is_file() and (FIXTURE_DIR / "drafter" / "config.json").is_file()
+
+
+def skip_without_fixture() -> None:
+    """Call at the top of a test that needs ../shared/fixtures/codepair."""
+    if not have_fixture():
+        pytest.skip(FIXTURE_REASON)
+
+
+@pytest.fixture
+def fixture_dir() -> Path:
+    """../shared/fixtures/codepair (target/, drafter/, prompts.jsonl); skips the test when absent."""
+    skip_without_fixture()
+    return FIXTURE_DIR
+
+
+def cli_env() -> dict:
+    """Environment for `python -m ddtree` subprocesses: one CPU thread (tiny models; avoids thread
+    oversubscription on small CI machines), the repo importable, no network."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_ddtree(*args: str, stdin: str | None = None, timeout: float = 300, cwd: Path | None = None):
+    """Run `python -m ddtree ARGS` from the repo root; returns the CompletedProcess (text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "ddtree", *map(str, args)], input=stdin, capture_output=True, text=True,
+        timeout=timeout, cwd=str(cwd or REPO), env=cli_env(),
+    )
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (tiny models; restores the previous count)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
