@@ -91,6 +91,46 @@ class _Draft:
     topk_ids: torch.Tensor | None
 
 
+AUTO_BUDGETS = (4, 8, 15, 32, 64, 128)  # 15 draft nodes = the block-16 chain's verify size
+
+
+class BudgetChooser:
+    """`--budget auto`: each round, the budget that maximises expected tokens per millisecond.
+
+    Expected tokens of a best-first tree of budget b = 1 + r * E_q(b), where E_q(b) is the sum of
+    the drafter's path probabilities over its first b nodes (the expected accepted length if the
+    drafter were calibrated) and r the observed/predicted acceptance ratio so far. Cost of a
+    round = verify(b + 1), timed once per generation, + a fixed part (drafter, commit, host)
+    learnt from the rounds' wall times. The pop order of a best-first tree is the same for every
+    budget, so the tree of budget b is the first b + 1 nodes of the largest one.
+    """
+
+    def __init__(self, verify_ms: dict[int, float], decay: float = 0.9):
+        self.verify_ms = verify_ms  # budget -> ms of one verify of budget + 1 nodes
+        self.decay = decay
+        self.acc = self.pred = 1.0  # prior: the drafter's probabilities are honest
+        self.fixed_ms = 0.0
+        self.n = 0
+
+    def pick(self, scores: list[float]) -> tuple[int, float]:
+        import math
+
+        cum, eq = 0.0, {}
+        probs = [math.exp(x) for x in scores[1:]]
+        for b in sorted(self.verify_ms):
+            eq[b] = sum(probs[:b])
+        r = self.acc / self.pred
+        best = max(self.verify_ms, key=lambda b: (1 + r * eq[b]) / (self.verify_ms[b] + self.fixed_ms))
+        return best, eq[best]
+
+    def update(self, budget: int, predicted: float, accepted: int, wall_ms: float):
+        d = self.decay
+        self.acc, self.pred = d * self.acc + accepted, d * self.pred + max(predicted, 1e-6)
+        fixed = max(wall_ms - self.verify_ms[budget], 0.0)
+        self.fixed_ms = fixed if self.n == 0 else d * self.fixed_ms + (1 - d) * fixed
+        self.n += 1
+
+
 def _bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
@@ -125,7 +165,9 @@ class Decoder:
         self.target, self.drafter = target, drafter
         self.max_len = max_len or target.max_len
         dev = target.device
-        self.use_graphs = (dev.type == "cuda") if use_graphs is None else use_graphs
+        # One CUDA graph cannot span devices: a layer split runs eagerly.
+        single = len({d for d in target.layer_devices} | {target.out_device}) == 1
+        self.use_graphs = (dev.type == "cuda" and single) if use_graphs is None else use_graphs
         self.bucket = bucket
         self.start_d = torch.zeros((), dtype=torch.long, device=dev)
         self._slots: dict[int, _Slot] = {}
@@ -211,6 +253,29 @@ class Decoder:
         self._graphs[key].replay()
         return self._outs[key]
 
+    def _calibrate(self, start: int, greedy: bool) -> BudgetChooser:
+        """Time one verify per candidate budget on the live state (verify commits nothing)."""
+        dev = self.target.device
+        verify_ms = {}
+        for b in AUTO_BUDGETS:
+            T = b + 1
+            if start + T + self.block_size > self.max_len:
+                continue
+            slot = self._slot(T)
+            slot.load(Tree.chain(torch.zeros(T, dtype=torch.long)))
+            kv = min(_bucket(start + T, self.bucket), self.max_len)
+            fn = lambda: self._run(("verify", T, kv, greedy, True), lambda: self._verify(slot, kv, greedy, True))  # noqa: E731
+            fn()
+            times = []
+            for _ in range(3):
+                sync(dev)
+                t0 = time.perf_counter()
+                fn()
+                sync(dev)
+                times.append((time.perf_counter() - t0) * 1e3)
+            verify_ms[b] = sorted(times)[1]
+        return BudgetChooser(verify_ms)
+
     def _snapshot(self):
         tensors = [self.start_d]
         for layer in self.target.layers:
@@ -231,7 +296,7 @@ class Decoder:
         self,
         prompt_ids: list[int],
         method: str = "ddtree",
-        budget: int = 32,
+        budget: int | str = 32,
         sampling: SamplingParams = SamplingParams(),
         max_new_tokens: int = 128,
         stop_ids: set[int] | frozenset = frozenset(),
@@ -247,8 +312,11 @@ class Decoder:
             raise DDTreeError(f"--method {method} needs a drafter: pass --drafter REF")
         if not prompt_ids:
             raise DDTreeError("empty prompt: pass a non-empty prompt (argument, '-' for stdin, or a prompt file)")
-        if budget < 1:
-            raise DDTreeError(f"--budget {budget} must be at least 1")
+        auto = budget == "auto"
+        if auto:
+            budget = max(AUTO_BUDGETS)
+        if isinstance(budget, str) or budget < 1:
+            raise DDTreeError(f"--budget {budget} must be a positive integer or 'auto'")
         tgt, dev = self.target, self.target.device
         depth = self.block_size - 1
         n_max = {"ar": 1, "dflash": depth + 1, "ddtree": budget + 1}[method]
@@ -273,9 +341,7 @@ class Decoder:
         sync(dev)
         t0 = time.perf_counter()
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-        if self.drafter is not None:
-            tgt.tap_layers = list(self.drafter.cfg.target_layer_ids) if taps_on else []
-        logits, taps = tgt.prefill(prompt, chunk=256 if dev.type == "cuda" else 64)
+        logits, taps = tgt.prefill(prompt, chunk=256 if dev.type == "cuda" else 64, want_taps=taps_on)
         bonus_d = choose(logits[None], sampling, gen)[0]
         draft = None
         if taps_on:
@@ -295,6 +361,7 @@ class Decoder:
             on_tokens([bonus])
         start = len(prompt_ids)
         self.start_d.fill_(start)
+        chooser = self._calibrate(start, sampling.greedy) if auto and method == "ddtree" else None
         clock = StageClock(dev)
         rounds: list[RoundRecord] = []
         pending_times: list[list] = []
@@ -303,6 +370,9 @@ class Decoder:
             # ---------------- tree (host) and upload into the static slot
             h0 = time.perf_counter()
             tree = self._tree(method, bonus, draft, budget, top1_first)
+            if chooser is not None:
+                b, predicted = chooser.pick(tree.scores)
+                tree = tree.truncate(b + 1)
             T = tree.num_nodes
             slot = self._slot(T)
             slot.load(tree)
@@ -326,6 +396,8 @@ class Decoder:
             e3 = clock.now()
             host = packed.cpu()  # the round's one device-to-host sync
             n, bonus = int(host[0]), int(host[1])
+            if chooser is not None:
+                chooser.update(T - 1, predicted, n - 1, (time.perf_counter() - h0) * 1e3)
             path = host[2 : 2 + P].long().tolist()[:n]
             if taps_on:
                 D, o = depth, 2 + P
@@ -351,7 +423,7 @@ class Decoder:
         return GenerationRecord(
             prompt_id=prompt_id, prompt_tokens=len(prompt_ids), new_tokens=len(out), token_ids=out,
             text=decode_text(out) if decode_text else "", prefill_s=ttft, decode_s=decode_s, ttft_s=ttft,
-            method=method, budget=budget if method == "ddtree" else None, rounds=rounds,
+            method=method, budget=(budget if not auto else None) if method == "ddtree" else None, rounds=rounds,
         )
 
     @staticmethod

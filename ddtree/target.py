@@ -410,7 +410,7 @@ class TargetModel(nn.Module):
 
     # ------------------------------------------------------------------ convenience (host-driven)
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, start: int = 0, chunk: int = 64):
+    def prefill(self, tokens: torch.Tensor, start: int = 0, chunk: int = 64, want_taps: bool = True):
         """Run `tokens` [T] as a chain from committed length `start`; commit all of them.
 
         Returns the last row's logits [vocab] and taps [T, taps*hidden] (or None).
@@ -426,7 +426,7 @@ class TargetModel(nn.Module):
             st = torch.tensor(start + s0, device=dev)
             logits, tap = self.forward(
                 t, pos, tril[:T, :T], parents, st, start + s0 + T,
-                logit_rows=torch.tensor([T - 1], device=dev), want_taps=bool(self.tap_layers),
+                logit_rows=torch.tensor([T - 1], device=dev), want_taps=want_taps and bool(self.tap_layers),
             )
             self.commit(torch.arange(T, device=dev), torch.tensor(T, device=dev), st)
             if tap is not None:

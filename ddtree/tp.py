@@ -520,7 +520,7 @@ def _gen_kwargs(opts: dict, job: dict) -> dict:
     return dict(
         prompt_ids=list(o["prompt_ids"]),
         method=o.get("method", "ddtree"),
-        budget=int(o.get("budget", 32)),
+        budget=o.get("budget", 32) if o.get("budget") == "auto" else int(o.get("budget", 32)),
         sampling=SamplingParams(float(o.get("temperature", 0.0) or 0.0), float(o.get("top_p", 1.0) or 1.0),
                                 int(o.get("top_k", 0) or 0)),
         max_new_tokens=int(o.get("max_new_tokens", 128)),

@@ -50,6 +50,7 @@ class Tree:
     depths: torch.Tensor  # [N] int64; depths[0] = 0
     ranks: torch.Tensor  # [N] int64; rank of node n's token in the drafter's top-k at its depth (root 0)
     ancestor_mask: torch.Tensor  # [N, N] bool; [n, j] = j is on path(n) = ancestors of n and n itself
+    scores: list[float] | None = None  # best-first trees: path log-probability of each node (root 0)
 
     @property
     def num_nodes(self) -> int:
@@ -68,6 +69,12 @@ class Tree:
         return cls(tokens=tokens, parents=ar - 1, depths=ar.clone(),
                    ranks=torch.zeros(n, dtype=torch.int64),
                    ancestor_mask=torch.ones(n, n, dtype=torch.bool).tril())
+
+    def truncate(self, n: int) -> "Tree":
+        """The first n nodes. For a best-first tree this is the best-first tree of budget n - 1
+        (pop order is the same for every budget, and parents precede children)."""
+        return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], self.ranks[:n],
+                    self.ancestor_mask[:n, :n], None if self.scores is None else self.scores[:n])
 
     def path_to(self, node: int) -> list[int]:
         """Node ids from the root to ``node`` (inclusive)."""
@@ -116,7 +123,7 @@ def build_tree(root_token: int, topk_logprobs, topk_ids, budget: int, top1_first
     K = len(lp[0]) if D else 0
     chain_len = min(D, budget) if top1_first else 0
 
-    tokens, parents, depths, ranks = [int(root_token)], [-1], [0], [0]
+    tokens, parents, depths, ranks, scores = [int(root_token)], [-1], [0], [0], [0.0]
     # Heap entry: (key, counter, score, depth, rank, parent node). key = -score, except the
     # top-1 chain candidate under top1_first gets -inf so it pops first; the counter breaks ties
     # deterministically (earlier push wins). Each prefix is pushed exactly once (rank 0 by its
@@ -135,6 +142,7 @@ def build_tree(root_token: int, topk_logprobs, topk_ids, budget: int, top1_first
         parents.append(p)
         depths.append(d)
         ranks.append(r)
+        scores.append(s)
         if d < D:  # first child
             cs = s + lp[d][0]
             # chain nodes are exactly nodes 1..chain_len, node i at depth i
@@ -149,7 +157,7 @@ def build_tree(root_token: int, topk_logprobs, topk_ids, budget: int, top1_first
     mask = torch.from_numpy(_ancestor_mask_np(parents))
     as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     return Tree(tokens=as_t(tokens), parents=as_t(parents), depths=as_t(depths),
-                ranks=as_t(ranks), ancestor_mask=mask)
+                ranks=as_t(ranks), ancestor_mask=mask, scores=scores)
 
 
 def benchmark_build(budget: int, depth: int = 15, k: int | None = None, repeats: int = 200) -> float:
