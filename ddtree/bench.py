@@ -332,7 +332,7 @@ def format_table(doc: dict) -> str:
         ex = run.get("exact_match_vs_ar")
         rows.append([
             run["method"],
-            "-" if run.get("budget") is None else str(run["budget"]),
+            str(run["budget"]) if run.get("budget") is not None else str(run.get("budget_setting") or "-"),
             f"{a['decode_tok_s']:.1f}",
             f"{a['e2e_tok_s']:.1f}",
             f"{a['mean_ttft_s'] * 1e3:.1f}",
@@ -463,7 +463,9 @@ def run_bench(
                           max_length=max_len, top1_first=top1_first)
     doc = make_run_document(meta, [{k: r[k] for k in ("method", "budget", "records", "speedup_vs_ar", "block_size")}
                                    for r in results])
-    for run, r in zip(doc["runs"], results):
+    for run, r, (_, b) in zip(doc["runs"], results, plan):
+        if b == "auto":
+            run["budget_setting"] = "auto"  # the decoder picked the budget per round
         run["exact_match_vs_ar"] = r["exact"]
         run["mismatched_prompts"] = r["mismatched"]
         if r["exact"] is not None:

@@ -197,14 +197,14 @@ def _read_prompts(prompt: Optional[str], prompts_spec: Optional[str], limit: Opt
     raise DDTreeError("no prompt: pass PROMPT as an argument, '-' to read it from stdin, or --prompts FILE|SUITE")
 
 
-def _summary(rec) -> str:
+def _summary(rec, budget: int | str = "auto") -> str:
     from ddtree.stats import aggregate
 
     a = aggregate([rec])
     return (
         f"{rec.new_tokens} new tokens, {rec.decode_tok_s:.1f} tok/s decode, "
         f"time to first token {rec.ttft_s * 1e3:.0f} ms, mean acceptance length {a['mean_acceptance_length']:.2f}, "
-        f"{len(rec.rounds)} rounds ({rec.method}{f' {rec.budget}' if rec.method == 'ddtree' else ''})"
+        f"{len(rec.rounds)} rounds ({rec.method}{f' {rec.budget or budget}' if rec.method == 'ddtree' else ''})"
     )
 
 
@@ -291,7 +291,7 @@ def run_generate(opts: dict, prompt: Optional[str], limit: Optional[int] = None,
         records = _generate_tp(tp_module, dict(opts, method=method, budget=budget, max_new_tokens=max_new), spec,
                                encoded, streamers, max_len, top1_first)
         for rec in records:
-            print(_summary(rec), file=sys.stderr, flush=True)
+            print(_summary(rec, budget), file=sys.stderr, flush=True)
     else:
         loaded = load_models(spec, max_len, method != "ar", _set_stage)
         decode_text = decode_text_fn(spec.tokenizer)
@@ -306,7 +306,7 @@ def run_generate(opts: dict, prompt: Optional[str], limit: Optional[int] = None,
             )
             streamer.finish()
             records.append(rec)
-            print(_summary(rec), file=sys.stderr, flush=True)
+            print(_summary(rec, budget), file=sys.stderr, flush=True)
 
     if stats_json is not None:
         run_budget = records[0].budget if method == "ddtree" and isinstance(records[0].budget, int) else None

@@ -277,10 +277,17 @@ class Decoder:
         return BudgetChooser(verify_ms)
 
     def _snapshot(self):
+        """Everything a round mutates: start_d, GDN states, the drafter's length, and the K/V
+        slots a tree or commit can touch (the commit move is not idempotent: run twice, it
+        reads slots its first run overwrote)."""
+        tgt = self.target
         tensors = [self.start_d]
-        for layer in self.target.layers:
-            m = layer.mixer
-            tensors += [m.conv_state, m.rec_state] if layer.kind == "linear_attention" else []
+        for group in tgt.gdn_groups.values():
+            tensors += [group.state, group.conv]
+        start = int(self.start_d)  # capture time only (outside the hot path)
+        end = min(start + tgt.tree_capacity, tgt.max_len)
+        for kc, vc in tgt.kv_stacks.values():
+            tensors += [kc[:, start:end], vc[:, start:end]]
         if self.drafter is not None:
             tensors.append(self.drafter.ctx_len)
         return [(t, t.clone()) for t in tensors]

@@ -122,6 +122,7 @@ class DFlashDrafter(nn.Module):
     def reset(self):
         self.ctx_len.zero_()
 
+    @torch.no_grad()
     def add_context(self, taps: torch.Tensor, n_valid: torch.Tensor | int | None = None):
         """Cache context K/V for the rows taps[:n_valid] ([R, taps*hidden]) at positions ctx_len.. .
 
@@ -139,6 +140,7 @@ class DFlashDrafter(nn.Module):
             layer.self_attn.v_cache.index_copy_(0, slots, v)
         self.ctx_len += R if n_valid is None else n_valid.to(self.device) if torch.is_tensor(n_valid) else n_valid
 
+    @torch.no_grad()
     def draft_logits(self, bonus: torch.Tensor, kv_len: int) -> torch.Tensor:
         """bonus: 0-dim long token at position ctx_len. Returns logits [B-1, vocab] (fp32) for
         positions ctx_len+1 .. ctx_len+B-1. kv_len: host int >= ctx_len (context rows to read)."""

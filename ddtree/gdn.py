@@ -26,35 +26,57 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """a, b: [T, H] projections -> g (log decay, <= 0) and beta, both fp32 [T, H]."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, neg_A=None):
+    """a, b: [T, H] projections -> g (log decay, <= 0) and beta, both fp32 [T, H].
+
+    neg_A = -exp(A_log) in fp32 may be passed precomputed (a per-layer constant)."""
+    neg_A = -A_log.float().exp() if neg_A is None else neg_A
+    g = neg_A * F.softplus(a.float() + dt_bias.float())
     return g, b.float().sigmoid()
 
 
 # ----------------------------------------------------------------------------- tree-WY (fast)
-def tree_wy(q, k, v, g, beta, S0, path_mask):
+def tree_wy(q, k, v, g, beta, S0, path_mask, out=None):
     """Exact GDN outputs for every node of a tree in one masked chunk.
 
     q, k: [T, H, dk] (l2-normalised; q already scaled), v: [T, H, dv], g, beta: [T, H] fp32,
     S0: [H, dk, dv] fp32, path_mask: [T, T] bool, path_mask[n, j] = j on path(n) (diagonal True).
-    Returns o [T, H, dv] fp32 and the pieces a commit needs: (k [H,T,dk], U [H,T,dv], c [H,T]).
+    Returns o [T, H, dv] fp32 and the pieces a commit needs: (k [H,T,dk], U [H,T,dv], c [H,T]),
+    written into `out` = (k, U, c) buffers when given (the engine's stacked commit scratch).
     """
-    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # [H, T, d]
+    T = q.shape[0]
+    kb, Ub, cb = out if out is not None else (None, None, None)
+    q, v = (x.float().transpose(0, 1) for x in (q, v))  # [H, T, d]
+    k = kb.copy_(k.transpose(0, 1)) if kb is not None else k.float().transpose(0, 1)
     g, beta = g.float().t(), beta.float().t()  # [H, T]
-    pm = path_mask.to(torch.float32)
-    c = g @ pm.t()  # [H, T]: c[h, n] = sum_{j in path(n)} g[h, j]
+    if T == 1:  # one node (autoregressive step): no masks, no solve
+        c = cb.copy_(g) if cb is not None else g
+        ec = c.exp()[:, :, None]  # [H, 1, 1]
+        U = beta[:, :, None] * (v - ec * (k @ S0))  # [H, 1, dv]
+        if Ub is not None:
+            U = Ub.copy_(U)
+        o = ec * (q @ S0) + (q * k).sum(-1, keepdim=True) * U
+        return o.transpose(0, 1), (k, U, c)
+    c = torch.matmul(g, path_mask.to(torch.float32).t(), out=cb)  # [H, T]: c[h, n] = sum_{j in path(n)} g[h, j]
     diff = c[:, :, None] - c[:, None, :]  # [H, T, T]: c_n - c_j
     # Mask before exp: off-path entries can be large and positive.
-    decay = torch.where(path_mask, diff, torch.full_like(diff, float("-inf"))).exp()
-    strict = decay * (1.0 - torch.eye(path_mask.shape[0], device=decay.device))
-    M = beta[:, :, None] * strict * (k @ k.transpose(1, 2))  # [H, T, T]
+    decay = torch.where(path_mask, diff, float("-inf")).exp()
+    # The solve reads only the strict lower triangle (unit diagonal assumed): no diagonal mask needed.
+    M = (beta[:, :, None] * decay) * (k @ k.transpose(1, 2))  # [H, T, T]
     ec = c.exp()[:, :, None]  # [H, T, 1]
     B = beta[:, :, None] * (v - ec * (k @ S0))  # [H, T, dv]
-    eye = torch.eye(M.shape[-1], device=M.device, dtype=M.dtype)
-    U = torch.linalg.solve_triangular(eye + M, B, upper=False, unitriangular=True)  # [H, T, dv]
+    U = torch.linalg.solve_triangular(M, B, upper=False, unitriangular=True, out=Ub)  # [H, T, dv]
     o = ec * (q @ S0) + (decay * (q @ k.transpose(1, 2))) @ U  # [H, T, dv]
     return o.transpose(0, 1), (k, U, c)
+
+
+def commit_states(S0, k, U, c, node, path_mask):
+    """Batched over layers: S0 [L, H, dk, dv]; k [L, H, T, dk]; U [L, H, T, dv]; c [L, H, T].
+    Same math as commit_state, one set of kernels for all the GDN layers of a device."""
+    row = path_mask.index_select(0, node.view(1))  # [1, T]
+    c_a = c.index_select(-1, node.view(1))  # [L, H, 1]
+    w = torch.where(row, c_a - c, float("-inf")).exp()  # [L, H, T]
+    return c_a.exp()[..., None] * S0 + (k * w[..., None]).transpose(-1, -2) @ U
 
 
 def commit_state(S0, k, U, c, node, path_mask):
@@ -119,10 +141,12 @@ def conv_window_index(parents: torch.Tensor, width: int) -> torch.Tensor:
 def tree_conv(ext: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv along tree paths, then SiLU.
 
-    ext: [hist + T, C]; window: [T, width] rows of ext; weight: [C, width]. Returns [T, C] (ext dtype).
+    ext: [hist + T, C]; window: [T, width] rows of ext; weight: [C, width] (or, precomputed, the
+    fp32 [width, C] transpose). Returns [T, C] (ext dtype).
     """
     x = ext[window].float()  # [T, width, C]
-    return F.silu((x * weight.t().float()[None]).sum(1)).to(ext.dtype)
+    w = weight if weight.dtype == torch.float32 and weight.shape[0] == window.shape[1] else weight.t().float()
+    return F.silu((x * w[None]).sum(1)).to(ext.dtype)
 
 
 def conv_reference(ext: torch.Tensor, parents: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -147,9 +147,6 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [max_len, kvh, hd]
         self.v_cache: torch.Tensor | None = None
 
-    def allocate(self, max_len: int, device, dtype):
-        self.k_cache = torch.zeros(max_len, self.kvh, self.hd, device=device, dtype=dtype)
-        self.v_cache = torch.zeros_like(self.k_cache)
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         T = x.shape[0]
@@ -177,7 +174,9 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
     def commit(self, path_nodes: torch.Tensor, start: torch.Tensor):
-        """Move the K/V of path_nodes [P] (tree indices) to slots start..start+P-1."""
+        """Move the K/V of path_nodes [P] (tree indices) to slots start..start+P-1.
+
+        Per-layer reference twin of the stacked commit in TargetModel.commit."""
         src = start + path_nodes
         dst = start + torch.arange(path_nodes.shape[0], device=path_nodes.device)
         self.k_cache.index_copy_(0, dst, self.k_cache.index_select(0, src))
@@ -204,46 +203,98 @@ class GatedDeltaNet(nn.Module):
         self.rec_state: torch.Tensor | None = None  # [hv, dk, dv] fp32
         self.saved = None  # what commit needs from the last forward
 
-    def allocate(self, device, dtype):
-        self.conv_state = torch.zeros(self.width - 1, self.conv_dim, device=device, dtype=dtype)
-        self.rec_state = torch.zeros(self.hv, self.dk, self.dv, device=device, dtype=torch.float32)
+        self.group: GDNGroup | None = None  # stacked state + commit scratch of this device's GDN layers
+        self.gi = 0  # this layer's index in its group
 
-    def reset(self):
-        self.conv_state.zero_()
-        self.rec_state.zero_()
+    def _consts(self):
+        """Per-layer constants computed once: conv weight as fp32 [width, C], -exp(A_log) fp32."""
+        c = self.__dict__.get("_c")
+        if c is None or c[0].device != self.A_log.device:
+            c = self.__dict__["_c"] = (self.conv1d.weight[:, 0, :].t().float().contiguous(),
+                                       -self.A_log.float().exp())
+        return c
 
     def qkvgb(self, x: torch.Tensor, s: Step):
         """Projections + tree convolution -> q, k (normalised, per value head), v, g, beta, z, ext."""
         T = x.shape[0]
         w = fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         qkv, z, b, a = F.linear(x, w).split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
-        ext = torch.cat([self.conv_state, qkv])  # [width-1+T, C]
-        mixed = gdn.tree_conv(ext, s.window, self.conv1d.weight[:, 0, :])  # [T, C]
+        ext = torch.cat([self.conv_state, qkv], out=self.group.ext(T)[self.gi])  # [width-1+T, C]
+        mixed = gdn.tree_conv(ext, s.window, self._consts()[0])  # [T, C]
         kd = self.hk * self.dk
         q, k, v = mixed.split([kd, kd, self.hv * self.dv], dim=-1)
         rep = self.hv // self.hk
         q = (gdn.l2norm(q.view(T, self.hk, self.dk).float()) * self.dk**-0.5).repeat_interleave(rep, dim=1)
         k = gdn.l2norm(k.view(T, self.hk, self.dk).float()).repeat_interleave(rep, dim=1)
         v = v.view(T, self.hv, self.dv)
-        g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias)
+        g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias, neg_A=self._consts()[1])
         z = z.reshape(T, self.hv, self.dv)
         return q, k, v, g, beta, z, ext
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         T = x.shape[0]
         q, k, v, g, beta, z, ext = self.qkvgb(x, s)
-        o, wy = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask)
+        K, U, C = self.group.wy(T)
+        o, wy = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=(K[self.gi], U[self.gi], C[self.gi]))
         self.saved = (ext, s.window, s.path_mask, wy)
+        self.group.step = (T, s.window, s.path_mask)
         o = self.norm(o.to(x.dtype), z)  # [T, hv, dv]
         return self.out_proj(o.reshape(T, -1))
 
     def commit(self, last: torch.Tensor):
-        """Set conv and recurrent state to those after tree node `last` (0-dim device tensor)."""
+        """Set conv and recurrent state to those after tree node `last` (0-dim device tensor).
+
+        Per-layer reference twin of GDNGroup.commit (which does all layers of a device at once)."""
         ext, window, path_mask, (k, U, c) = self.saved
         rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
         self.conv_state.copy_(ext.index_select(0, rows))
         self.rec_state.copy_(gdn.commit_state(self.rec_state, k, U, c, last, path_mask))
         # `saved` is kept: a captured commit graph reads these buffers on every replay
+
+
+class GDNGroup:
+    """The GDN layers of one device: their states stacked, so a commit is one set of kernels
+    for all of them (not ~a dozen per layer), and the scratch the tree recurrence writes for it.
+
+    state [L, hv, dk, dv] fp32; conv [L, width-1, C]; scratch for up to `cap` tree nodes: k, U, c
+    (fp32) and the conv inputs ext, viewed per forward as [L, hv, T, *] / [L, width-1+T, C].
+    """
+
+    def __init__(self, layers: list, device, dtype, cap: int):
+        m = layers[0]
+        L = self.L = len(layers)
+        self.h, self.dk, self.dv, self.hist, self.C = m.hv, m.dk, m.dv, m.width - 1, m.conv_dim
+        f32 = dict(device=device, dtype=torch.float32)
+        self.state = torch.zeros(L, m.hv, m.dk, m.dv, **f32)
+        self.conv = torch.zeros(L, self.hist, self.C, device=device, dtype=dtype)
+        self.kbuf = torch.zeros(L * m.hv * cap * m.dk, **f32)
+        self.ubuf = torch.zeros(L * m.hv * cap * m.dv, **f32)
+        self.cbuf = torch.zeros(L * m.hv * cap, **f32)
+        self.ebuf = torch.zeros(L * (self.hist + cap) * self.C, device=device, dtype=dtype)
+        self.step = None  # (T, window, path_mask) of the last forward
+        for j, layer in enumerate(layers):
+            layer.group, layer.gi = self, j
+            layer.rec_state, layer.conv_state = self.state[j], self.conv[j]
+
+    def wy(self, T: int):
+        L, h = self.L, self.h
+        return (self.kbuf[: L * h * T * self.dk].view(L, h, T, self.dk),
+                self.ubuf[: L * h * T * self.dv].view(L, h, T, self.dv),
+                self.cbuf[: L * h * T].view(L, h, T))
+
+    def ext(self, T: int):
+        return self.ebuf[: self.L * (self.hist + T) * self.C].view(self.L, self.hist + T, self.C)
+
+    def commit(self, last: torch.Tensor):
+        T, window, path_mask = self.step
+        K, U, C = self.wy(T)
+        self.state.copy_(gdn.commit_states(self.state, K, U, C, last, path_mask))
+        rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
+        self.conv.copy_(self.ext(T).index_select(1, rows))
+
+    def reset(self):
+        self.state.zero_()
+        self.conv.zero_()
 
 
 class DecoderLayer(nn.Module):
@@ -304,20 +355,35 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def allocate_state(self, max_len: int):
-        """Allocate every cache buffer once, on each layer's device."""
-        self.max_len = max_len
+    def allocate_state(self, max_len: int, tree_capacity: int = 256):
+        """Allocate every state buffer once, on each layer's device.
+
+        Per device: attention K/V stacked [L_attn, max_len, kvh, hd]; a GDNGroup for the GDN
+        layers. tree_capacity bounds the nodes of one forward (tree size or prefill chunk).
+        """
+        self.max_len, self.tree_capacity = max_len, tree_capacity
         self.layer_devices = [layer.input_layernorm.weight.device for layer in self.layers]
-        for layer, dev in zip(self.layers, self.layer_devices):
-            if layer.kind == "linear_attention":
-                layer.linear_attn.allocate(dev, self.dtype)
-            else:
-                layer.self_attn.allocate(max_len, dev, self.dtype)
+        self.gdn_groups, self.kv_stacks = {}, {}
+        for dev in dict.fromkeys(self.layer_devices):
+            on = [layer for layer, d in zip(self.layers, self.layer_devices) if d == dev]
+            gdns = [layer.linear_attn for layer in on if layer.kind == "linear_attention"]
+            attns = [layer.self_attn for layer in on if layer.kind == "full_attention"]
+            if gdns:
+                self.gdn_groups[dev] = GDNGroup(gdns, dev, self.dtype, tree_capacity)
+            if attns:
+                a0 = attns[0]
+                kc = torch.zeros(len(attns), max_len, a0.kvh, a0.hd, device=dev, dtype=self.dtype)
+                vc = torch.zeros_like(kc)
+                for j, att in enumerate(attns):
+                    att.k_cache, att.v_cache = kc[j], vc[j]
+                self.kv_stacks[dev] = (kc, vc)
         self._rope = {d: rope_tables(self.cfg, max_len, d) for d in set(self.layer_devices)}
         self.prepare()
 
     def prepare(self):
-        """Inference-time constants: fused projection weights, (1 + w) norm weights."""
+        """Inference-time constants derived from the weights: fused projection weights (views,
+        so they follow in-place edits), (1 + w) norm weights, GDN conv weight / -exp(A_log)
+        (copies: call prepare() again after editing those weights in place)."""
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.prepare()
@@ -327,11 +393,12 @@ class TargetModel(nn.Module):
                 fused(m, "_wqkv", m.q_proj, m.k_proj, m.v_proj)
             elif isinstance(m, GatedDeltaNet):
                 fused(m, "_win", m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
+                m.__dict__.pop("_c", None)
+                m._consts()
 
     def reset(self):
-        for layer in self.layers:
-            if layer.kind == "linear_attention":
-                layer.linear_attn.reset()
+        for group in self.gdn_groups.values():
+            group.reset()
 
     # ------------------------------------------------------------------ forward
     def make_step(self, positions, path_mask, parents, start, kv_len: int, device) -> Step:
@@ -353,6 +420,7 @@ class TargetModel(nn.Module):
             kv_len=kv_len,
         )
 
+    @torch.no_grad()
     def forward(
         self,
         tokens: torch.Tensor,
@@ -392,21 +460,34 @@ class TargetModel(nn.Module):
         tap = torch.cat([t.to(self.out_device, non_blocking=True) for t in taps], -1) if taps else None
         return logits, tap
 
+    @torch.no_grad()
     def commit(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor, start: torch.Tensor):
         """Keep the path path_nodes[:n_nodes] of the last forward (root first; padding repeats the last).
 
-        path_nodes [P] long and n_nodes, start 0-dim long, on self.device; no host sync.
+        path_nodes [P] long and n_nodes, start 0-dim long, on self.device; no host sync. A few
+        kernels per device: stacked K/V moves and one batched GDN state update.
         """
         last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
-        cache: dict = {}
+        for dev in dict.fromkeys(self.layer_devices):
+            p, l_, s0 = (t.to(dev, non_blocking=True) for t in (path_nodes, last, start))
+            if dev in self.gdn_groups:
+                self.gdn_groups[dev].commit(l_)
+            if dev in self.kv_stacks:
+                src = s0 + p
+                dst = s0 + torch.arange(p.shape[0], device=dev)
+                for cache in self.kv_stacks[dev]:
+                    cache.index_copy_(1, dst, cache.index_select(1, src))
+
+    @torch.no_grad()
+    def commit_reference(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor, start: torch.Tensor):
+        """Layer-by-layer twin of `commit` (tests compare them)."""
+        last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
         for layer, dev in zip(self.layers, self.layer_devices):
-            if dev not in cache:
-                cache[dev] = tuple(t.to(dev, non_blocking=True) for t in (path_nodes, last, start))
-            p, l_, s = cache[dev]
+            p, l_, s0 = (t.to(dev) for t in (path_nodes, last, start))
             if layer.kind == "linear_attention":
                 layer.linear_attn.commit(l_)
             else:
-                layer.self_attn.commit(p, s)
+                layer.self_attn.commit(p, s0)
 
     # ------------------------------------------------------------------ convenience (host-driven)
     @torch.no_grad()
@@ -418,6 +499,8 @@ class TargetModel(nn.Module):
         dev = self.device
         taps, logits = [], None
         tril = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()
+        chunk = min(chunk, self.tree_capacity)
+        tril = tril[:chunk, :chunk]
         for s0 in range(0, tokens.shape[0], chunk):
             t = tokens[s0 : s0 + chunk].to(dev)
             T = t.shape[0]

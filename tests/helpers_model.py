@@ -58,6 +58,7 @@ def tame_decay_(model, seed: int, lo: float = 0.05, hi: float = 1.0):
         if layer.kind == "linear_attention":
             a = layer.linear_attn.A_log
             a.data.copy_(torch.empty(a.shape).uniform_(lo, hi, generator=gen).log().to(a.dtype))
+    model.prepare()  # refresh the inference constants derived from the weights
     return model
 
 

@@ -201,6 +201,16 @@ def test_bad_input_one_line_exit_2(case, tmp_path):
     assert_one_line_error(r.stderr, r.stdout)
 
 
+def test_repo_not_cached_offline(tmp_path, monkeypatch):
+    """A hub id that is not in the local cache while offline: one line naming the fix."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    r = invoke("generate", "--target", "no-such-org/no-such-model", "hi")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, r.stdout)
+    assert "not in the local Hugging Face cache" in r.stderr
+
+
 def test_bad_input_subprocess_has_no_traceback(tmp_path):
     d = _target_dir(tmp_path, "{not json")
     r = run_ddtree("generate", "--target", d, "hello")

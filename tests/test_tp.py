@@ -153,7 +153,10 @@ def test_tp_forward_matches_full_model(pair_dirs):
         got = r["logits"]
         assert got.shape == ref.shape == (1 + 6 + 4, VOCAB)
         rel = (got - ref).abs().max() / ref.abs().max()
-        assert rel < 1e-5, float(rel)
+        # Sharded matmuls sum in another order; on these untamed random hybrids float32 rounding
+        # is amplified up to ~1e-4 of the logit scale (tests/helpers_model.tame_decay_ explains),
+        # the same bound every other parity test here uses. Ranks must still agree bit for bit.
+        assert rel < 1e-4, float(rel)
     assert torch.equal(res[0]["logits"], res[1]["logits"])  # every rank sees the same logits
 
 

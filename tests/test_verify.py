@@ -306,3 +306,29 @@ def test_tree_verify_bf16(name, kind, N, seed):
 
 def test_report_max_errors():
     print("\n[verify] max relative errors:", {k: f"{v:.2e}" for k, v in MAX_ERR.items()})
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("kind,N,seed", [("random", 40, 5), ("deep", 24, 6), ("chain", 1, 7)])
+def test_stacked_commit_equals_layer_by_layer(name, kind, N, seed):
+    """TargetModel.commit (stacked, a few kernels per device) vs commit_reference (per layer)."""
+    rng = random.Random(300 + seed)
+    start = rng.randrange(3, 30)
+    a, _, _ = _setup(name, seed, start)
+    b, _, _ = _setup(name, seed, start)
+    tree = random_tree(kind, N, rng, a.cfg.vocab_size, MAX_DEPTH)
+    path = _pick_path(tree, "random", rng)
+    verify_tree(a, tree, start)
+    verify_tree(b, tree, start)
+    pad = path + [path[-1]] * (MAX_DEPTH + 1 - len(path))
+    args = (torch.tensor(pad), torch.tensor(len(path)), torch.tensor(start))
+    a.commit(*args)
+    b.commit_reference(*args)
+    for la, lb in zip(a.layers, b.layers):
+        if la.kind == "linear_attention":
+            assert torch.equal(la.linear_attn.conv_state, lb.linear_attn.conv_state)
+            assert_rel(la.linear_attn.rec_state, lb.linear_attn.rec_state, 1e-6, "stacked vs per-layer GDN state")
+        else:
+            n = start + len(path)
+            assert torch.equal(la.self_attn.k_cache[:n], lb.self_attn.k_cache[:n])
+            assert torch.equal(la.self_attn.v_cache[:n], lb.self_attn.v_cache[:n])
