@@ -518,7 +518,9 @@ class TargetModel(nn.Module):
 
     @torch.no_grad()
     def forward_chain(self, tokens: torch.Tensor, start: int):
-        """Logits for every position of a chain (no commit). For tests and transformers parity."""
+        """Logits for every position of a chain (no commit). For tests and transformers parity.
+
+        It continues from the current state: call reset() first for an empty prefix."""
         dev = self.device
         T = tokens.shape[0]
         tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
