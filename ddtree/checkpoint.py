@@ -124,7 +124,12 @@ def load_weights(module: torch.nn.Module, model_dir: Path, dtype: torch.dtype, d
     tied = getattr(getattr(module, "cfg", None), "tie_word_embeddings", False)
     if tied and "lm_head.weight" not in loaded and "embed_tokens.weight" in loaded:
         loaded["lm_head.weight"] = loaded["embed_tokens.weight"]
-    missing = [n for n in expected if n not in loaded]
+    assign_weights(module, loaded, model_dir)
+
+
+def assign_weights(module: torch.nn.Module, loaded: dict[str, torch.Tensor], model_dir) -> None:
+    """Put the loaded device tensors into a meta-built module; every parameter must be there."""
+    missing = [n for n, _ in module.named_parameters() if n not in loaded]
     if missing:
         raise DDTreeError(
             f"checkpoint {model_dir} lacks {len(missing)} weights (first: {missing[0]}): "

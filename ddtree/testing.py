@@ -144,8 +144,8 @@ def build_random_target(raw_cfg: dict, device="cpu", dtype=torch.float32, seed=0
     return model
 
 
-def hf_reference(model, raw_cfg: dict):
-    """transformers' own CausalLM with our model's weights (float32, eager attention)."""
+def hf_class_and_config(raw_cfg: dict, attn: str = "eager"):
+    """transformers' own CausalLM class and config for one of our raw config dicts."""
     import transformers
 
     if raw_cfg["model_type"] == "qwen3_5":
@@ -154,10 +154,20 @@ def hf_reference(model, raw_cfg: dict):
     else:
         hf_cfg = transformers.Qwen3Config(**{k: v for k, v in raw_cfg.items() if k not in ("model_type", "architectures")})
         cls = transformers.Qwen3ForCausalLM
-    hf_cfg._attn_implementation = "eager"
+    hf_cfg._attn_implementation = attn
+    return cls, hf_cfg
+
+
+def hf_state_dict(model) -> dict:
+    """Our state dict under the names of transformers' CausalLM (`model.` prefix, lm_head as is)."""
+    return {(k if k == "lm_head.weight" else "model." + k): v for k, v in model.state_dict().items()}
+
+
+def hf_reference(model, raw_cfg: dict):
+    """transformers' own CausalLM with our model's weights (float32, eager attention)."""
+    cls, hf_cfg = hf_class_and_config(raw_cfg)
     hf = cls(hf_cfg).eval()
-    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in model.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
     missing = [m for m in missing if "rotary" not in m]
     assert not missing and not unexpected, (missing, unexpected)
     return hf.to(model.dtype)

@@ -190,7 +190,7 @@ def load_target_shard(model_dir, rank: int, world: int, device, dtype: torch.dty
     initialised when world > 1) and allocates the state buffers."""
     from safetensors import safe_open
 
-    from ddtree.checkpoint import checkpoint_files, parse_dtype, text_name
+    from ddtree.checkpoint import assign_weights, checkpoint_files, parse_dtype, text_name
     from ddtree.target import TargetModel
 
     model_dir = Path(model_dir)
@@ -234,15 +234,7 @@ def load_target_shard(model_dir, rank: int, world: int, device, dtype: torch.dty
         f, key = embed_src
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             loaded["lm_head.weight"] = read(fh, key, "lm_head.weight", f.name)
-    missing = [n for n in expected if n not in loaded]
-    if missing:
-        raise DDTreeError(
-            f"checkpoint {model_dir} lacks {len(missing)} weights (first: {missing[0]}): "
-            "it does not match config.json or is incomplete"
-        )
-    model.load_state_dict(loaded, assign=True, strict=True)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    assign_weights(model, loaded, model_dir)
     model.eval()
     if install_hooks and world > 1:
         install_tp_hooks(model, world)

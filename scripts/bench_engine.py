@@ -108,20 +108,13 @@ def time_commit_draft(dec: Decoder, key, slot, start: int, P: int, k: int):
 
 def hf_ms_per_token(target, raw_cfg: dict, ctx: int, steps: int = 5) -> float | None:
     """transformers' own Qwen3_5ForCausalLM / Qwen3ForCausalLM sharing our weight tensors."""
-    import transformers
+    from ddtree.testing import hf_class_and_config, hf_state_dict
 
     try:
-        if raw_cfg["model_type"] == "qwen3_5":
-            hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in raw_cfg["text_config"].items() if k != "model_type"})
-            cls = transformers.Qwen3_5ForCausalLM
-        else:
-            hf_cfg = transformers.Qwen3Config(**{k: v for k, v in raw_cfg.items() if k not in ("model_type", "architectures")})
-            cls = transformers.Qwen3ForCausalLM
-        hf_cfg._attn_implementation = "sdpa"
+        cls, hf_cfg = hf_class_and_config(raw_cfg, attn="sdpa")
         with torch.device("meta"):
             hf = cls(hf_cfg)
-        sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in target.state_dict().items()}
-        hf.load_state_dict(sd, strict=False, assign=True)
+        hf.load_state_dict(hf_state_dict(target), strict=False, assign=True)
         hf.model.rotary_emb.to_empty(device=target.device)
         hf.model.rotary_emb.__init__(hf_cfg, device=target.device)
         hf.eval()
