@@ -166,3 +166,53 @@ def conv_reference(ext: torch.Tensor, parents: torch.Tensor, weight: torch.Tenso
         x = torch.stack(rows[::-1]).float()  # [width, C]
         out.append(F.silu((x * weight.t().float()).sum(0)))
     return torch.stack(out).to(ext.dtype)
+
+
+# ----------------------------------------------------------------------------- fla (optional)
+_FLA = {"fn": None, "checked": False, "off": False}
+
+
+def fla_chain(q, k, v, g, beta, S0):
+    """Chain (prefill) outputs and final state through flash-linear-attention's chunk kernel.
+
+    Used only on CUDA when fla is importable (DDTREE_NO_FLA=1 turns it off); fla has no tree
+    kernel, so trees always take tree_wy. The first call in a process is checked against
+    tree_wy on the same inputs; a mismatch or an error turns fla off for the process.
+    Shapes as tree_wy; returns (o [T, H, dv] fp32, final state [H, dk, dv] fp32) or None.
+    """
+    import os
+
+    if _FLA["off"] or not q.is_cuda or os.environ.get("DDTREE_NO_FLA") == "1":
+        return None
+    if _FLA["fn"] is None:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except Exception:
+            _FLA["off"] = True
+            return None
+        _FLA["fn"] = chunk_gated_delta_rule
+    try:
+        o, final = _FLA["fn"](q.float()[None], k.float()[None], v.float()[None], g.float()[None], beta.float()[None],
+                              scale=1.0, initial_state=S0[None].float(), output_final_state=True)
+        o, final = o[0].float(), final[0].float()
+    except Exception as e:  # an fla / Triton version that does not run here: fall back, once
+        from loguru import logger
+
+        logger.warning(f"flash-linear-attention failed ({type(e).__name__}: {e}); using the torch GDN path")
+        _FLA["off"] = True
+        return None
+    if not _FLA["checked"]:
+        T = q.shape[0]
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        ref_o, (kk, U, c) = tree_wy(q, k, v, g, beta, S0, mask)
+        ref_S = commit_state(S0, kk, U, c, torch.tensor(T - 1, device=q.device), mask)
+        err = max(float((o - ref_o).abs().max() / ref_o.abs().max().clamp_min(1e-30)),
+                  float((final - ref_S).abs().max() / ref_S.abs().max().clamp_min(1e-30)))
+        _FLA["checked"] = True
+        if not err < 1e-3:
+            from loguru import logger
+
+            logger.warning(f"flash-linear-attention disagrees with the torch GDN path (rel. err {err:.2g}); not using it")
+            _FLA["off"] = True
+            return ref_o, ref_S
+    return o, final

@@ -131,6 +131,7 @@ class Step:
     sin: torch.Tensor
     start: torch.Tensor
     kv_len: int
+    chain: bool = False  # a prefill chunk: GDN layers may use fla's chunk kernel
 
 
 class Attention(nn.Module):
@@ -234,10 +235,16 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         T = x.shape[0]
         q, k, v, g, beta, z, ext = self.qkvgb(x, s)
-        K, U, C = self.group.wy(T)
-        o, wy = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=(K[self.gi], U[self.gi], C[self.gi]))
+        fla = gdn.fla_chain(q, k, v, g, beta, self.rec_state) if s.chain else None
+        if fla is not None:  # prefill chunk on GPU: fla's kernel; the commit takes its final state
+            o, final = fla
+            self.group.final()[self.gi].copy_(final)
+            wy = None
+        else:
+            K, U, C = self.group.wy(T)
+            o, wy = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=(K[self.gi], U[self.gi], C[self.gi]))
         self.saved = (ext, s.window, s.path_mask, wy)
-        self.group.step = (T, s.window, s.path_mask)
+        self.group.step = (T, s.window, s.path_mask, wy is None)
         o = self.norm(o.to(x.dtype), z)  # [T, hv, dv]
         return self.out_proj(o.reshape(T, -1))
 
@@ -245,10 +252,13 @@ class GatedDeltaNet(nn.Module):
         """Set conv and recurrent state to those after tree node `last` (0-dim device tensor).
 
         Per-layer reference twin of GDNGroup.commit (which does all layers of a device at once)."""
-        ext, window, path_mask, (k, U, c) = self.saved
+        ext, window, path_mask, wy = self.saved
         rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
         self.conv_state.copy_(ext.index_select(0, rows))
-        self.rec_state.copy_(gdn.commit_state(self.rec_state, k, U, c, last, path_mask))
+        if wy is None:  # fla chain: the whole chunk is committed, its final state is the state
+            self.rec_state.copy_(self.group.final()[self.gi])
+        else:
+            self.rec_state.copy_(gdn.commit_state(self.rec_state, *wy, last, path_mask))
         # `saved` is kept: a captured commit graph reads these buffers on every replay
 
 
@@ -271,7 +281,8 @@ class GDNGroup:
         self.ubuf = torch.zeros(L * m.hv * cap * m.dv, **f32)
         self.cbuf = torch.zeros(L * m.hv * cap, **f32)
         self.ebuf = torch.zeros(L * (self.hist + cap) * self.C, device=device, dtype=dtype)
-        self.step = None  # (T, window, path_mask) of the last forward
+        self.step = None  # (T, window, path_mask, fla_final) of the last forward
+        self._final = None  # [L, hv, dk, dv] final states of an fla prefill chunk (allocated on first use)
         for j, layer in enumerate(layers):
             layer.group, layer.gi = self, j
             layer.rec_state, layer.conv_state = self.state[j], self.conv[j]
@@ -282,13 +293,21 @@ class GDNGroup:
                 self.ubuf[: L * h * T * self.dv].view(L, h, T, self.dv),
                 self.cbuf[: L * h * T].view(L, h, T))
 
+    def final(self):
+        if self._final is None:
+            self._final = torch.zeros_like(self.state)
+        return self._final
+
     def ext(self, T: int):
         return self.ebuf[: self.L * (self.hist + T) * self.C].view(self.L, self.hist + T, self.C)
 
     def commit(self, last: torch.Tensor):
-        T, window, path_mask = self.step
-        K, U, C = self.wy(T)
-        self.state.copy_(gdn.commit_states(self.state, K, U, C, last, path_mask))
+        T, window, path_mask, fla_final = self.step
+        if fla_final:  # a prefill chunk run through fla: committed whole
+            self.state.copy_(self._final)
+        else:
+            K, U, C = self.wy(T)
+            self.state.copy_(gdn.commit_states(self.state, K, U, C, last, path_mask))
         rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
         self.conv.copy_(self.ext(T).index_select(1, rows))
 
@@ -431,6 +450,7 @@ class TargetModel(nn.Module):
         kv_len: int,
         logit_rows: torch.Tensor | None = None,
         want_taps: bool = True,
+        chain: bool = False,
     ):
         """tokens/positions/parents [T] long, path_mask [T, T] bool, start 0-dim long: all on self.device.
 
@@ -443,6 +463,7 @@ class TargetModel(nn.Module):
             if dev not in steps:
                 args = [t.to(dev, non_blocking=True) for t in (positions, path_mask, parents, start)]
                 steps[dev] = self.make_step(*args, kv_len, dev)
+                steps[dev].chain = chain
             return steps[dev]
 
         x = self.embed_tokens(tokens)
@@ -510,6 +531,7 @@ class TargetModel(nn.Module):
             logits, tap = self.forward(
                 t, pos, tril[:T, :T], parents, st, start + s0 + T,
                 logit_rows=torch.tensor([T - 1], device=dev), want_taps=want_taps and bool(self.tap_layers),
+                chain=True,
             )
             self.commit(torch.arange(T, device=dev), torch.tensor(T, device=dev), st)
             if tap is not None:

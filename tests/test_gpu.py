@@ -63,3 +63,21 @@ def test_cuda_tree_verify_equals_chains():
         ref, ref_taps = m.forward_chain(tree.tokens[path], 40)
         assert (logits[n] - ref[-1]).abs().max() < 1e-4 * ref.abs().max()
         assert (taps[n] - ref_taps[-1]).abs().max() < 1e-4 * ref_taps.abs().max()
+
+
+def test_fla_prefill_matches_torch_path(monkeypatch):
+    """flash-linear-attention's chunk kernel (when installed) against our tree-WY path."""
+    pytest.importorskip("fla")
+    raw = tiny_hybrid_config()
+    a = build_random_target(raw, device="cuda", max_len=1024)
+    b = build_random_target(raw, device="cuda", max_len=1024)
+    toks = torch.randint(0, 97, (600,))
+    la, _ = a.prefill(toks, chunk=256)
+    monkeypatch.setenv("DDTREE_NO_FLA", "1")
+    lb, _ = b.prefill(toks, chunk=256)
+    from ddtree import gdn
+
+    assert not gdn._FLA["off"], "fla was turned off by its self-check or an error"
+    assert (la - lb).abs().max() < 1e-3 * lb.abs().max()
+    for ga, gb in zip(a.gdn_groups.values(), b.gdn_groups.values()):
+        assert (ga.state - gb.state).abs().max() < 1e-3 * gb.state.abs().max()
