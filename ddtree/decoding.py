@@ -14,6 +14,7 @@ equal the target's own decoding: token for token when greedy, in distribution wh
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -82,10 +83,8 @@ def sync(device: torch.device):
 
 @dataclass
 class _Draft:
-    """What the host reads once per round."""
+    """The drafter's proposal as the host reads it (once per round)."""
 
-    n: int  # nodes committed (root + accepted)
-    path: list[int]  # tree node indices root-first
     bonus: int
     topk_lp: torch.Tensor | None  # [D, K] CPU
     topk_ids: torch.Tensor | None
@@ -113,9 +112,9 @@ class BudgetChooser:
         self.n = 0
 
     def pick(self, scores: list[float]) -> tuple[int, float]:
-        import math
-
-        cum, eq = 0.0, {}
+        """scores: path log-probabilities of a best-first tree's nodes (root first).
+        -> (budget, its predicted accepted length E_q)."""
+        eq = {}
         probs = [math.exp(x) for x in scores[1:]]
         for b in sorted(self.verify_ms):
             eq[b] = sum(probs[:b])
@@ -356,7 +355,7 @@ class Decoder:
             lp, ids = self._draft_topk(bonus_d, min(_bucket(len(prompt_ids), self.bucket), self.max_len), k, sampling)
             host = torch.cat([bonus_d.view(1).float(), lp.flatten(), ids.flatten().float()]).cpu()
             D = lp.shape[0]
-            draft = _Draft(0, [], int(host[0]), host[1 : 1 + D * k].view(D, k), host[1 + D * k :].view(D, k).long())
+            draft = _Draft(int(host[0]), host[1 : 1 + D * k].view(D, k), host[1 + D * k :].view(D, k).long())
             bonus = draft.bonus
         else:
             bonus = int(bonus_d)  # the one sync of the prefill
@@ -408,7 +407,7 @@ class Decoder:
             path = host[2 : 2 + P].long().tolist()[:n]
             if taps_on:
                 D, o = depth, 2 + P
-                draft = _Draft(n, path, bonus, host[o : o + D * k].view(D, k), host[o + D * k :].view(D, k).long())
+                draft = _Draft(bonus, host[o : o + D * k].view(D, k), host[o + D * k :].view(D, k).long())
             start += n
             # ---------------- emit: accepted draft tokens, then the new bonus
             toks = tree.tokens[path[1:]].tolist() + [bonus]
