@@ -26,6 +26,21 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def l2norm_qk(qk: torch.Tensor, dk: int, eps: float = 1e-6) -> torch.Tensor:
+    """q and k together: qk [T, 2, H, dk] -> fp32, each head l2-normalised, q also scaled by dk^-0.5.
+
+    Fewer kernels than two l2norm calls: rms_norm with eps/dk is sqrt(dk) * l2norm exactly
+    (mean(x^2) + eps/dk = (sum(x^2) + eps) / dk), so one fused norm and one scale do both."""
+    key = (qk.device, dk)
+    scale = _QK_SCALE.get(key)
+    if scale is None:  # made once, outside any CUDA-graph capture (the warm-up run comes first)
+        scale = _QK_SCALE[key] = torch.tensor([1.0 / dk, dk**-0.5], device=qk.device).view(1, 2, 1, 1)
+    return F.rms_norm(qk.float(), (dk,), eps=eps / dk) * scale  # q: l2 * dk^-0.5; k: l2
+
+
+_QK_SCALE: dict = {}
+
+
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, neg_A=None):
     """a, b: [T, H] projections -> g (log decay, <= 0) and beta, both fp32 [T, H].
 

@@ -58,9 +58,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf.to(dt) * F.silu(z.float())).to(dt)
+        xn = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dt)
+        return (self.weight * xn * F.silu(z.float())).to(dt)
 
 
 class MLP(nn.Module):
@@ -223,10 +222,10 @@ class GatedDeltaNet(nn.Module):
         ext = torch.cat([self.conv_state, qkv], out=self.group.ext(T)[self.gi])  # [width-1+T, C]
         mixed = gdn.tree_conv(ext, s.window, self._consts()[0])  # [T, C]
         kd = self.hk * self.dk
-        q, k, v = mixed.split([kd, kd, self.hv * self.dv], dim=-1)
-        rep = self.hv // self.hk
-        q = (gdn.l2norm(q.view(T, self.hk, self.dk).float()) * self.dk**-0.5).repeat_interleave(rep, dim=1)
-        k = gdn.l2norm(k.view(T, self.hk, self.dk).float()).repeat_interleave(rep, dim=1)
+        qk, v = mixed.split([2 * kd, self.hv * self.dv], dim=-1)  # q and k are adjacent channels
+        qk = gdn.l2norm_qk(qk.view(T, 2, self.hk, self.dk), self.dk)  # [T, 2, hk, dk] fp32
+        qk = qk.repeat_interleave(self.hv // self.hk, dim=2)  # k head j serves v heads j*rep..
+        q, k = qk[:, 0], qk[:, 1]  # [T, hv, dk]
         v = v.view(T, self.hv, self.dv)
         g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias, neg_A=self._consts()[1])
         z = z.reshape(T, self.hv, self.dv)
