@@ -9,9 +9,10 @@ and the tree-WY recurrence (ddtree.gdn). `commit` then keeps one root-to-node pa
 contiguous slots, GDN conv and recurrent states set to the path's last node. Everything that
 depends on what was accepted stays on the device, so a round needs no host sync here.
 
-State lives in buffers allocated once (`allocate_state`): K/V [max_len, kv_heads, head_dim] per
-attention layer; per GDN layer a conv state [width-1, conv_dim] and an fp32 recurrent state
-[v_heads, dk, dv]. Parameter names mirror the HF checkpoints (after the prefix) so loading is a
+State lives in buffers allocated once (`allocate_state`), stacked per device so that a commit is
+a handful of kernels: K/V [attention layers, max_len, kv_heads, head_dim]; GDN conv states
+[GDN layers, width-1, conv_dim] and fp32 recurrent states [GDN layers, v_heads, dk, dv] (each
+layer holds views). Parameter names mirror the HF checkpoints (after the prefix) so loading is a
 rename.
 """
 
@@ -144,9 +145,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.norm_plus_one)
         self.k_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.norm_plus_one)
-        self.k_cache: torch.Tensor | None = None  # [max_len, kvh, hd]
+        self.k_cache: torch.Tensor | None = None  # [max_len, kvh, hd], a view of the device's stack
         self.v_cache: torch.Tensor | None = None
-
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         T = x.shape[0]
@@ -199,10 +199,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_eps)
         self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
-        self.conv_state: torch.Tensor | None = None  # [width-1, conv_dim], oldest first
-        self.rec_state: torch.Tensor | None = None  # [hv, dk, dv] fp32
-        self.saved = None  # what commit needs from the last forward
-
+        self.conv_state: torch.Tensor | None = None  # [width-1, conv_dim], oldest first (view of group.conv)
+        self.rec_state: torch.Tensor | None = None  # [hv, dk, dv] fp32 (view of group.state)
+        self.saved = None  # what the per-layer reference commit needs from the last forward
         self.group: GDNGroup | None = None  # stacked state + commit scratch of this device's GDN layers
         self.gi = 0  # this layer's index in its group
 
@@ -432,8 +431,8 @@ class TargetModel(nn.Module):
             path_mask=path_mask,
             window=gdn.conv_window_index(parents, self.cfg.conv_kernel),
             attn_mask=attn_mask,
-            cos=cos[positions],
-            sin=sin[positions],
+            cos=cos[positions].to(self.dtype),  # cast once here, not in every layer
+            sin=sin[positions].to(self.dtype),
             start=start,
             kv_len=kv_len,
         )
