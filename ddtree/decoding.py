@@ -135,19 +135,27 @@ def _bucket(n: int, size: int) -> int:
 
 
 class _Slot:
-    """Static device buffers for one tree size T (graph inputs are written in place)."""
+    """Static device buffers for one tree size T (graph inputs are written in place).
+
+    tokens, depths and parents share one [3, T] buffer and the ancestor mask has its own, so a
+    tree goes up in two copies; on CUDA from pinned host buffers, so the copies are asynchronous.
+    """
 
     def __init__(self, T: int, dev):
-        self.tokens = torch.zeros(T, dtype=torch.long, device=dev)
-        self.depths = torch.zeros(T, dtype=torch.long, device=dev)
-        self.parents = torch.zeros(T, dtype=torch.long, device=dev)
+        self.ints = torch.zeros(3, T, dtype=torch.long, device=dev)
+        self.tokens, self.depths, self.parents = self.ints[0], self.ints[1], self.ints[2]
         self.mask = torch.zeros(T, T, dtype=torch.bool, device=dev)
         self.choice = torch.zeros(T, dtype=torch.long, device=dev)
+        pin = torch.device(dev).type == "cuda"
+        self.host_ints = torch.zeros(3, T, dtype=torch.long, pin_memory=pin)
+        self.host_mask = torch.zeros(T, T, dtype=torch.bool, pin_memory=pin)
 
     def load(self, tree: Tree):
-        for dst, src in ((self.tokens, tree.tokens), (self.depths, tree.depths), (self.parents, tree.parents),
-                         (self.mask, tree.ancestor_mask)):
-            dst.copy_(src, non_blocking=True)
+        # The previous round's single sync has completed every copy from these host buffers.
+        torch.stack([tree.tokens, tree.depths, tree.parents], out=self.host_ints)
+        self.host_mask.copy_(tree.ancestor_mask)
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.mask.copy_(self.host_mask, non_blocking=True)
 
 
 class Decoder:
