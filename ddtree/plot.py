@@ -68,6 +68,8 @@ def _import_matplotlib():
 
 
 def _label(run: dict) -> str:
+    if run["method"] == "ddtree" and run.get("budget_setting") == "auto":
+        return "ddtree auto"
     if run["method"] == "ddtree" and run.get("budget") is not None:
         return f"ddtree {run['budget']}"
     if run.get("budget") is not None and run["method"] != "ar":
@@ -173,6 +175,13 @@ def _plot_speedup(doc: dict, Figure, Canvas, path: Path) -> None:
         ax.text(0.5, 0.5, "no ddtree runs in this file", transform=ax.transAxes, ha="center",
                 va="center", color=_C_AR, fontsize=12)
 
+    auto = next((r for r in runs if r["method"] == "ddtree" and r.get("budget_setting") == "auto"), None)
+    if auto is not None and value(auto) is not None:
+        v = value(auto)
+        txt = f"DDTree --budget auto ({v:.2f}×" if have_speedup else f"DDTree --budget auto ({v:.1f} tok/s"
+        h = ax.axhline(v, color=_C_DDTREE, ls="-.", lw=1.6, alpha=0.8,
+                       label=txt + f", acceptance length {auto['aggregate']['mean_acceptance_length']:.2f})", zorder=2)
+        handles.append(h)
     if chain is not None and value(chain) is not None:
         v = value(chain)
         txt = f"DFlash chain ({v:.2f}×)" if have_speedup else f"DFlash chain ({v:.1f} tok/s)"
