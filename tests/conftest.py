@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURE_DIR = Path(__file__).parents[1].parent / "shared" / "fixtures" / "codepair"
+# ../shared/fixtures/codepair, or DDTREE_FIXTURE (e.g. a copy carried to the GPU machine)
+FIXTURE_DIR = Path(os.environ.get("DDTREE_FIXTURE") or Path(__file__).parents[1].parent / "shared" / "fixtures" / "codepair")
 FIXTURE_REASON = (
     f"codepair fixture not found at {FIXTURE_DIR}: clone the project with its ../shared folder beside it"
 )

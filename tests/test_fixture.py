@@ -4,12 +4,13 @@ greedy generate, and greedy `ddtree` / `dflash` equal our `ar`, on real prompts.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-FIXTURE = Path(__file__).resolve().parents[1].parent / "shared/fixtures/codepair"
+FIXTURE = Path(os.environ.get("DDTREE_FIXTURE") or Path(__file__).resolve().parents[1].parent / "shared/fixtures/codepair")
 NEW = 32
 PROMPTS = 4
 
