@@ -16,12 +16,9 @@ BUDGETS = (1, 2, 7, 32, 128)
 NEW = 36
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add overhead
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):  # tests/conftest.py: tiny models run on one thread
     yield
-    torch.set_num_threads(n)
 
 
 def _prompt(seed: int, n: int, vocab: int = 97) -> list[int]:

@@ -15,12 +15,9 @@ from ddtree.errors import DDTreeError
 from ddtree.testing import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add overhead
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):  # tests/conftest.py: tiny models run on one thread
     yield
-    torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------------------------

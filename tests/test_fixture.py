@@ -21,12 +21,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):  # tests/conftest.py: tiny models run on one thread
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

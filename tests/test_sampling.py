@@ -28,12 +28,9 @@ P_BIASED = 1e-6  # biased rules must be rejected at least this strongly
 RESULTS: dict[str, dict] = {}  # numbers for the report (pytest -s prints them)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):  # tests/conftest.py: tiny models run on one thread
     yield
-    torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------------------------
