@@ -99,28 +99,34 @@ def text_name(name: str) -> str | None:
     return name  # lm_head.weight, or a drafter's un-prefixed keys
 
 
+def iter_checkpoint(model_dir: Path, wanted):
+    """(file, open safetensors handle, checkpoint key, our name) for each text-model tensor named
+    in `wanted`, one file open at a time (memory-mapped: nothing is read until asked for)."""
+    from safetensors import safe_open
+
+    for f in checkpoint_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for key in fh.keys():
+                name = text_name(key)
+                if name is not None and name in wanted:
+                    yield f, fh, key, name
+
+
 def load_weights(module: torch.nn.Module, model_dir: Path, dtype: torch.dtype, device_of) -> None:
     """Fill `module` (built on the meta device) from the checkpoint, tensor by tensor.
 
     device_of(param_name) -> torch.device. Raises DDTreeError on missing or mis-shaped tensors.
     """
-    from safetensors import safe_open
-
     expected = dict(module.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
-    for f in checkpoint_files(model_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for key in fh.keys():
-                name = text_name(key)
-                if name is None or name not in expected:
-                    continue
-                t = fh.get_tensor(key)
-                if tuple(t.shape) != tuple(expected[name].shape):
-                    raise DDTreeError(
-                        f"{key} in {f.name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}: "
-                        "config.json and weights do not match"
-                    )
-                loaded[name] = t.to(device=device_of(name), dtype=dtype, non_blocking=True)
+    for f, fh, key, name in iter_checkpoint(model_dir, expected):
+        t = fh.get_tensor(key)
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise DDTreeError(
+                f"{key} in {f.name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}: "
+                "config.json and weights do not match"
+            )
+        loaded[name] = t.to(device=device_of(name), dtype=dtype, non_blocking=True)
     tied = getattr(getattr(module, "cfg", None), "tie_word_embeddings", False)
     if tied and "lm_head.weight" not in loaded and "embed_tokens.weight" in loaded:
         loaded["lm_head.weight"] = loaded["embed_tokens.weight"]

@@ -190,7 +190,7 @@ def load_target_shard(model_dir, rank: int, world: int, device, dtype: torch.dty
     initialised when world > 1) and allocates the state buffers."""
     from safetensors import safe_open
 
-    from ddtree.checkpoint import assign_weights, checkpoint_files, parse_dtype, text_name
+    from ddtree.checkpoint import assign_weights, iter_checkpoint, parse_dtype
     from ddtree.target import TargetModel
 
     model_dir = Path(model_dir)
@@ -221,15 +221,10 @@ def load_target_shard(model_dir, rank: int, world: int, device, dtype: torch.dty
             raise AssertionError(f"TP shard of {name} has shape {tuple(t.shape)}, expected {expected[name]}")
         return t.to(device=device, dtype=dtype, non_blocking=True)
 
-    for f in checkpoint_files(model_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for key in fh.keys():
-                name = text_name(key)
-                if name is None or name not in expected:
-                    continue
-                if name == "embed_tokens.weight":
-                    embed_src = (f, key)
-                loaded[name] = read(fh, key, name, f.name)
+    for f, fh, key, name in iter_checkpoint(model_dir, expected):
+        if name == "embed_tokens.weight":
+            embed_src = (f, key)
+        loaded[name] = read(fh, key, name, f.name)
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded and embed_src is not None:
         f, key = embed_src
         with safe_open(str(f), framework="pt", device="cpu") as fh:
