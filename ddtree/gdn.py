@@ -97,6 +97,8 @@ def commit_states(S0, k, U, c, node, path_mask):
 def commit_state(S0, k, U, c, node, path_mask):
     """State after tree node `node` (0-dim long tensor, may live on the device; no host sync).
 
+    One layer, written out separately from commit_states on purpose: it is the reference the
+    stacked commit is tested against (via TargetModel.commit_reference) and the fla self-check's.
     S0: [H, dk, dv]; k: [H, T, dk]; U: [H, T, dv]; c: [H, T]; path_mask: [T, T] bool.
     """
     row = path_mask.index_select(0, node.view(1))[0]  # [T] path(node)
