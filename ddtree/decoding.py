@@ -15,6 +15,7 @@ equal the target's own decoding: token for token when greedy, in distribution wh
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -25,7 +26,7 @@ from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.sampling import SamplingParams, choose
 from ddtree.stats import GenerationRecord, RoundRecord
-from ddtree.target import TargetModel
+from ddtree.target import TargetModel, _identity
 from ddtree.tree import Tree, build_tree
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -168,7 +169,7 @@ class Decoder:
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, max_len: int | None = None,
-                 use_graphs: bool | None = None, bucket: int = 256):
+                 use_graphs: bool | None = None, bucket: int = 256, compile: bool | None = None):
         self.target, self.drafter = target, drafter
         self.max_len = max_len or target.max_len
         dev = target.device
@@ -176,6 +177,12 @@ class Decoder:
         single = len({d for d in target.layer_devices} | {target.out_device}) == 1
         self.use_graphs = (dev.type == "cuda" and single) if use_graphs is None else use_graphs
         self.bucket = bucket
+        # Compiled layers (ddtree.target.compiled_layer) by default wherever rounds are graphed;
+        # DDTREE_NO_COMPILE=1 or compile=False keeps the eager layers. Not under tensor
+        # parallelism (layers hold an all-reduce).
+        if compile is None:
+            compile = self.use_graphs and os.environ.get("DDTREE_NO_COMPILE") != "1"
+        self.compile = compile
         self.start_d = torch.zeros((), dtype=torch.long, device=dev)
         self._slots: dict[int, _Slot] = {}
         self._graphs: dict = {}
@@ -249,7 +256,18 @@ class Decoder:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                fn()
+                try:
+                    fn()  # also where the compiled layers compile, on their first use
+                except Exception as e:
+                    if not self.target.compile_layers:
+                        raise
+                    from loguru import logger
+
+                    logger.warning(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
+                                   "using the eager layers (set DDTREE_NO_COMPILE=1 to skip compiling)")
+                    self.compile = self.target.compile_layers = False
+                    self._restore(snap)
+                    fn()
             torch.cuda.current_stream().wait_stream(s)
             self._restore(snap)
             g = torch.cuda.CUDAGraph()
@@ -348,6 +366,7 @@ class Decoder:
         k = min(budget, tgt.cfg.vocab_size) if method == "ddtree" else 1
         taps_on = method != "ar"
         tgt.reset()
+        tgt.compile_layers = self.compile and all(layer.reduce is _identity for layer in tgt.layers)
         if self.drafter is not None:
             self.drafter.reset()
 

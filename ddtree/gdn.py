@@ -185,6 +185,17 @@ def conv_reference(ext: torch.Tensor, parents: torch.Tensor, weight: torch.Tenso
     return torch.stack(out).to(ext.dtype)
 
 
+def chain_final(q, k, v, g, beta, S0, path_mask):
+    """A chain (prefill chunk): outputs and the final state, through fla when it is usable, else
+    tree_wy over the lower-triangular path_mask. -> (o [T, H, dv] fp32, final [H, dk, dv] fp32)."""
+    r = fla_chain(q, k, v, g, beta, S0)
+    if r is not None:
+        return r
+    T = q.shape[0]
+    o, (kk, U, c) = tree_wy(q, k, v, g, beta, S0, path_mask)
+    return o, commit_state(S0, kk, U, c, torch.full((), T - 1, dtype=torch.long, device=q.device), path_mask)
+
+
 # ----------------------------------------------------------------------------- fla (optional)
 _FLA = {"fn": None, "checked": False, "off": False}
 

@@ -201,9 +201,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
         self.conv_state: torch.Tensor | None = None  # [width-1, conv_dim], oldest first (view of group.conv)
         self.rec_state: torch.Tensor | None = None  # [hv, dk, dv] fp32 (view of group.state)
-        self.saved = None  # what the per-layer reference commit needs from the last forward
         self.group: GDNGroup | None = None  # stacked state + commit scratch of this device's GDN layers
-        self.gi = 0  # this layer's index in its group
+        self.wy_bufs = self.ext_buf = self.final_buf = None  # this layer's views of the group's scratch
 
     def _consts(self):
         """Per-layer constants computed once: conv weight as fp32 [width, C], -exp(A_log) fp32."""
@@ -218,7 +217,7 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         w = fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         qkv, z, b, a = F.linear(x, w).split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
-        ext = torch.cat([self.conv_state, qkv], out=self.group.ext(T)[self.gi])  # [width-1+T, C]
+        ext = torch.cat([self.conv_state, qkv], out=self.ext_buf[: self.width - 1 + T])  # [width-1+T, C]
         mixed = gdn.tree_conv(ext, s.window, self._consts()[0])  # [T, C]
         kd = self.hk * self.dk
         qk, v = mixed.split([2 * kd, self.hv * self.dv], dim=-1)  # q and k are adjacent channels
@@ -231,18 +230,17 @@ class GatedDeltaNet(nn.Module):
         return q, k, v, g, beta, z, ext
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        # No Python side effects and no per-layer ints here: the same compiled code serves every
+        # GDN layer (ddtree.target.compiled_layer). What a commit needs is in the group's scratch.
         T = x.shape[0]
         q, k, v, g, beta, z, ext = self.qkvgb(x, s)
-        fla = gdn.fla_chain(q, k, v, g, beta, self.rec_state) if s.chain else None
-        if fla is not None:  # prefill chunk on GPU: fla's kernel; the commit takes its final state
-            o, final = fla
-            self.group.final()[self.gi].copy_(final)
-            wy = None
+        if s.chain:  # prefill chunk (fla's kernel on GPU when usable): the commit takes the final state
+            o, final = gdn.chain_final(q, k, v, g, beta, self.rec_state, s.path_mask)
+            self.final_buf.copy_(final)
         else:
-            K, U, C = self.group.wy(T)
-            o, wy = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=(K[self.gi], U[self.gi], C[self.gi]))
-        self.saved = (ext, s.window, s.path_mask, wy)
-        self.group.step = (T, s.window, s.path_mask, wy is None)
+            kb, ub, cb = self.wy_bufs
+            o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask,
+                               out=(kb[:, :T], ub[:, :T], cb[:, :T]))
         o = self.norm(o.to(x.dtype), z)  # [T, hv, dv]
         return self.out_proj(o.reshape(T, -1))
 
@@ -250,14 +248,15 @@ class GatedDeltaNet(nn.Module):
         """Set conv and recurrent state to those after tree node `last` (0-dim device tensor).
 
         Per-layer reference twin of GDNGroup.commit (which does all layers of a device at once)."""
-        ext, window, path_mask, wy = self.saved
+        T, window, path_mask, chain = self.group.step
+        ext = self.ext_buf[: self.width - 1 + T]
         rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
         self.conv_state.copy_(ext.index_select(0, rows))
-        if wy is None:  # fla chain: the whole chunk is committed, its final state is the state
-            self.rec_state.copy_(self.group.final()[self.gi])
+        if chain:  # a prefill chunk is committed whole: its final state is the state
+            self.rec_state.copy_(self.final_buf)
         else:
-            self.rec_state.copy_(gdn.commit_state(self.rec_state, *wy, last, path_mask))
-        # `saved` is kept: a captured commit graph reads these buffers on every replay
+            kb, ub, cb = (b[:, :T] for b in self.wy_bufs)
+            self.rec_state.copy_(gdn.commit_state(self.rec_state, kb, ub, cb, last, path_mask))
 
 
 class GDNGroup:
@@ -265,7 +264,8 @@ class GDNGroup:
     for all of them (not ~a dozen per layer), and the scratch the tree recurrence writes for it.
 
     state [L, hv, dk, dv] fp32; conv [L, width-1, C]; scratch for up to `cap` tree nodes: k, U, c
-    (fp32) and the conv inputs ext, viewed per forward as [L, hv, T, *] / [L, width-1+T, C].
+    (fp32) [L, hv, cap, *] and the conv inputs ext [L, width-1+cap, C]. Each layer holds views of
+    its rows (so its forward needs no layer index); a forward of T nodes uses [..., :T, ...].
     """
 
     def __init__(self, layers: list, device, dtype, cap: int):
@@ -275,34 +275,29 @@ class GDNGroup:
         f32 = dict(device=device, dtype=torch.float32)
         self.state = torch.zeros(L, m.hv, m.dk, m.dv, **f32)
         self.conv = torch.zeros(L, self.hist, self.C, device=device, dtype=dtype)
-        self.kbuf = torch.zeros(L * m.hv * cap * m.dk, **f32)
-        self.ubuf = torch.zeros(L * m.hv * cap * m.dv, **f32)
-        self.cbuf = torch.zeros(L * m.hv * cap, **f32)
-        self.ebuf = torch.zeros(L * (self.hist + cap) * self.C, device=device, dtype=dtype)
-        self.step = None  # (T, window, path_mask, fla_final) of the last forward
-        self._final = None  # [L, hv, dk, dv] final states of an fla prefill chunk (allocated on first use)
+        self.kbuf = torch.zeros(L, m.hv, cap, m.dk, **f32)
+        self.ubuf = torch.zeros(L, m.hv, cap, m.dv, **f32)
+        self.cbuf = torch.zeros(L, m.hv, cap, **f32)
+        self.ebuf = torch.zeros(L, self.hist + cap, self.C, device=device, dtype=dtype)
+        self.final_states = torch.zeros_like(self.state)  # final states of a prefill chunk
+        # (T, window, path_mask, chain) of the last forward: set by TargetModel.forward
+        self.step = None
         for j, layer in enumerate(layers):
-            layer.group, layer.gi = self, j
+            layer.group = self
             layer.rec_state, layer.conv_state = self.state[j], self.conv[j]
+            layer.wy_bufs = (self.kbuf[j], self.ubuf[j], self.cbuf[j])
+            layer.ext_buf, layer.final_buf = self.ebuf[j], self.final_states[j]
 
     def wy(self, T: int):
-        L, h = self.L, self.h
-        return (self.kbuf[: L * h * T * self.dk].view(L, h, T, self.dk),
-                self.ubuf[: L * h * T * self.dv].view(L, h, T, self.dv),
-                self.cbuf[: L * h * T].view(L, h, T))
-
-    def final(self):
-        if self._final is None:
-            self._final = torch.zeros_like(self.state)
-        return self._final
+        return self.kbuf[:, :, :T], self.ubuf[:, :, :T], self.cbuf[:, :, :T]
 
     def ext(self, T: int):
-        return self.ebuf[: self.L * (self.hist + T) * self.C].view(self.L, self.hist + T, self.C)
+        return self.ebuf[:, : self.hist + T]
 
     def commit(self, last: torch.Tensor):
-        T, window, path_mask, fla_final = self.step
-        if fla_final:  # a prefill chunk run through fla: committed whole
-            self.state.copy_(self._final)
+        T, window, path_mask, chain = self.step
+        if chain:  # a prefill chunk is committed whole: its final state is the state
+            self.state.copy_(self.final_states)
         else:
             K, U, C = self.wy(T)
             self.state.copy_(gdn.commit_states(self.state, K, U, C, last, path_mask))
@@ -337,6 +332,31 @@ class DecoderLayer(nn.Module):
         return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
+def _call_layer(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
+    return layer(x, s)
+
+
+_COMPILED: dict = {}
+
+
+def compiled_layer():
+    """`_call_layer` through torch.compile (inductor): the elementwise chains of a layer (norms,
+    gates, conv, rope, the T=1 recurrence) fuse into a few Triton kernels, which matters because
+    a decode step is otherwise bound by ~5000 kernel launches. One compiled function serves all
+    layers: layers hold their buffers as tensors (no per-layer ints) and have no Python side
+    effects in forward, so dynamo's guards only tell the two layer kinds and T = 1 from T > 1
+    apart (T becomes dynamic after the second tree size). The eager path is the reference twin
+    (tests/test_gpu.py compares them)."""
+    fn = _COMPILED.get("layer")
+    if fn is None:
+        import torch._dynamo
+
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 64)  # layer kinds x T=1/T>1 x context buckets
+        fn = _COMPILED["layer"] = torch.compile(_call_layer, dynamic=None)
+    return fn
+
+
 def rope_tables(cfg: TargetConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     rd = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
@@ -358,6 +378,7 @@ class TargetModel(nn.Module):
         self.max_len = 0
         self._rope: dict = {}
         self.gather_logits = _identity  # ddtree.tp installs a vocab all-gather here (vocab-parallel lm_head)
+        self.compile_layers = False  # run decoder layers through torch.compile (see compiled_layer)
 
     # ------------------------------------------------------------------ placement and state
     @property
@@ -460,16 +481,21 @@ class TargetModel(nn.Module):
         def step_on(dev):
             if dev not in steps:
                 args = [t.to(dev, non_blocking=True) for t in (positions, path_mask, parents, start)]
-                steps[dev] = self.make_step(*args, kv_len, dev)
-                steps[dev].chain = chain
+                st = steps[dev] = self.make_step(*args, kv_len, dev)
+                st.chain = chain
+                if dev in self.gdn_groups:  # what the commit will need
+                    self.gdn_groups[dev].step = (positions.shape[0], st.window, st.path_mask, chain)
             return steps[dev]
 
         x = self.embed_tokens(tokens)
+        # Tree and decode forwards go through the compiled layer when enabled (fewer, fused kernels);
+        # prefill chunks stay eager (they may use fla's kernels, and their shapes vary).
+        run_layer = compiled_layer() if self.compile_layers and not chain else _call_layer
         taps = []
         for i, (layer, dev) in enumerate(zip(self.layers, self.layer_devices)):
             if x.device != dev:
                 x = x.to(dev, non_blocking=True)
-            x = layer(x, step_on(dev))
+            x = run_layer(layer, x, step_on(dev))
             if want_taps and i in self.tap_layers:
                 taps.append(x)
         x = x.to(self.out_device, non_blocking=True)

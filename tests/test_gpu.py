@@ -23,6 +23,14 @@ def test_graphs_equal_eager_and_cpu(kind):
         g = dec_gpu.generate(prompt, method, budget=budget, max_new_tokens=40)
         e = eager.generate(prompt, method, budget=budget, max_new_tokens=40)
         assert g.token_ids == e.token_ids == ref, (method, budget)
+    assert dec_gpu.compile and not eager.compile, "graphed rounds run the compiled layers, eager ones do not"
+
+
+def test_cuda_compiled_layers_match_eager():
+    """Inductor's Triton kernels vs the eager layers: forward logits and every committed state."""
+    from test_compile import check_compiled_matches_eager  # tests/ is on sys.path (pytest prepend mode)
+
+    check_compiled_matches_eager("cuda", tol=1e-5)
 
 
 def test_graphed_sampling_runs_and_is_seeded():
