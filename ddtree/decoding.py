@@ -26,7 +26,7 @@ from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.sampling import SamplingParams, choose
 from ddtree.stats import GenerationRecord, RoundRecord
-from ddtree.target import TargetModel, _identity
+from ddtree.target import TargetModel
 from ddtree.tree import Tree, build_tree
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -178,8 +178,7 @@ class Decoder:
         self.use_graphs = (dev.type == "cuda" and single) if use_graphs is None else use_graphs
         self.bucket = bucket
         # Compiled layers (ddtree.target.compiled_layer) by default wherever rounds are graphed;
-        # DDTREE_NO_COMPILE=1 or compile=False keeps the eager layers. Not under tensor
-        # parallelism (layers hold an all-reduce).
+        # DDTREE_NO_COMPILE=1 or compile=False keeps the eager layers.
         if compile is None:
             compile = self.use_graphs and os.environ.get("DDTREE_NO_COMPILE") != "1"
         self.compile = compile
@@ -266,6 +265,8 @@ class Decoder:
                     logger.warning(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
                                    "using the eager layers (set DDTREE_NO_COMPILE=1 to skip compiling)")
                     self.compile = self.target.compile_layers = False
+                    if self.drafter is not None:
+                        self.drafter.compile_layers = False
                     self._restore(snap)
                     fn()
             torch.cuda.current_stream().wait_stream(s)
@@ -366,9 +367,10 @@ class Decoder:
         k = min(budget, tgt.cfg.vocab_size) if method == "ddtree" else 1
         taps_on = method != "ar"
         tgt.reset()
-        tgt.compile_layers = self.compile and all(layer.reduce is _identity for layer in tgt.layers)
+        tgt.compile_layers = self.compile
         if self.drafter is not None:
             self.drafter.reset()
+            self.drafter.compile_layers = tgt.compile_layers
 
         # ---------------- prefill
         sync(dev)

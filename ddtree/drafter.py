@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddtree.config import DrafterConfig
-from ddtree.target import MLP, RMSNorm, apply_rope
+from ddtree.target import MLP, RMSNorm, apply_rope, compiled, fused
 
 
 def drafter_rope(cfg: DrafterConfig, max_len: int, device):
@@ -52,15 +52,22 @@ class DraftAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def _split(self, kv: torch.Tensor, cos, sin):
+        R = kv.shape[0]
+        k, v = kv.view(R, 2, self.kvh, self.hd).unbind(1)
+        return apply_rope(self.k_norm(k), cos, sin), v
+
     def kv(self, h: torch.Tensor, cos, sin):
-        R = h.shape[0]
-        k = apply_rope(self.k_norm(self.k_proj(h).view(R, self.kvh, self.hd)), cos, sin)
-        return k, self.v_proj(h).view(R, self.kvh, self.hd)
+        """Context rows: k (normed, roped) and v [R, kvh, hd], one GEMM (k and v rows of the fused weight)."""
+        w = fused(self, "_wqkv", self.q_proj, self.k_proj, self.v_proj)
+        return self._split(F.linear(h, w[self.h * self.hd :]), cos, sin)
 
     def forward(self, x, cos, sin, ctx_len: torch.Tensor, kv_len: int, q_pos: torch.Tensor):
         B = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(B, self.h, self.hd)), cos, sin)
-        kb, vb = self.kv(x, cos, sin)
+        q, kv = F.linear(x, fused(self, "_wqkv", self.q_proj, self.k_proj, self.v_proj)).split(
+            [self.h * self.hd, 2 * self.kvh * self.hd], dim=-1)
+        q = apply_rope(self.q_norm(q.reshape(B, self.h, self.hd)), cos, sin)
+        kb, vb = self._split(kv, cos, sin)
         k = torch.cat([self.k_cache[:kv_len], kb])  # [kv_len + B, kvh, hd]
         v = torch.cat([self.v_cache[:kv_len], vb])
         key_pos = torch.cat([torch.arange(kv_len, device=x.device), q_pos])
@@ -100,6 +107,7 @@ class DFlashDrafter(nn.Module):
         self.head: nn.Linear | None = None
         self.gather_logits = lambda x: x  # set from the target under tensor parallelism
         self.ctx_len: torch.Tensor | None = None  # 0-dim long on the device: context rows cached
+        self.compile_layers = False  # run the layers through torch.compile (set by the Decoder)
 
     @property
     def device(self):
@@ -118,6 +126,15 @@ class DFlashDrafter(nn.Module):
         self.cos, self.sin = drafter_rope(self.cfg, max_len + self.cfg.block_size, dev)
         self.max_len = max_len
         self.ctx_len = torch.zeros((), dtype=torch.long, device=dev)
+        self.prepare()
+
+    def prepare(self):
+        """Fuse the q/k/v and gate/up weights once (views: they follow in-place edits), before any
+        compiled call could be the first to touch them."""
+        for layer in self.layers:
+            a = layer.self_attn
+            fused(a, "_wqkv", a.q_proj, a.k_proj, a.v_proj)
+            fused(layer.mlp, "_wgu", layer.mlp.gate_proj, layer.mlp.up_proj)
 
     def reset(self):
         self.ctx_len.zero_()
@@ -130,15 +147,8 @@ class DFlashDrafter(nn.Module):
         the shape is fixed whatever was accepted.
         """
         taps = taps.to(self.device, non_blocking=True)
-        R = taps.shape[0]
-        h = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
-        slots = self.ctx_len + torch.arange(R, device=self.device)
-        cos, sin = self.cos[slots], self.sin[slots]
-        for layer in self.layers:
-            k, v = layer.self_attn.kv(h, cos, sin)
-            layer.self_attn.k_cache.index_copy_(0, slots, k)
-            layer.self_attn.v_cache.index_copy_(0, slots, v)
-        self.ctx_len += R if n_valid is None else n_valid.to(self.device) if torch.is_tensor(n_valid) else n_valid
+        (compiled(_add_context) if self.compile_layers else _add_context)(self, taps)
+        self.ctx_len += taps.shape[0] if n_valid is None else n_valid.to(self.device) if torch.is_tensor(n_valid) else n_valid
 
     @torch.no_grad()
     def draft_logits(self, bonus: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -151,13 +161,32 @@ class DFlashDrafter(nn.Module):
         x = F.embedding(block.to(self.embed.weight.device), self.embed.weight).to(dev)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
-        q_pos = self.ctx_len + torch.arange(B, device=dev)
-        cos, sin = self.cos[q_pos], self.sin[q_pos]
-        for layer in self.layers:
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, self.ctx_len, kv_len, q_pos)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        h = self.norm(x[1:]).to(self.head.weight.device)
+        h = (compiled(_block_hidden) if self.compile_layers else _block_hidden)(self, x, kv_len)
+        h = h.to(self.head.weight.device)
         logits = self.gather_logits(self.head(h)).float() * cfg.output_multiplier
         if cfg.final_logit_softcapping:
             logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         return logits
+
+
+def _add_context(d: DFlashDrafter, taps: torch.Tensor):
+    """Context K/V of taps [R, taps*hidden] into every layer's cache at slots ctx_len.. (fixed shape)."""
+    R = taps.shape[0]
+    h = d.hidden_norm(d.fc(taps.to(d.fc.weight.dtype)))
+    slots = d.ctx_len + torch.arange(R, device=taps.device)
+    cos, sin = d.cos[slots], d.sin[slots]
+    for layer in d.layers:
+        k, v = layer.self_attn.kv(h, cos, sin)
+        layer.self_attn.k_cache.index_copy_(0, slots, k)
+        layer.self_attn.v_cache.index_copy_(0, slots, v)
+
+
+def _block_hidden(d: DFlashDrafter, x: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The drafter's layers over the block x [B, hidden] -> final-normed hidden of rows 1.. [B-1, hidden]."""
+    B = x.shape[0]
+    q_pos = d.ctx_len + torch.arange(B, device=x.device)
+    cos, sin = d.cos[q_pos], d.sin[q_pos]
+    for layer in d.layers:
+        x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, d.ctx_len, kv_len, q_pos)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return d.norm(x[1:])

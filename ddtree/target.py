@@ -300,7 +300,7 @@ class GDNGroup:
             self.state.copy_(self.final_states)
         else:
             K, U, C = self.wy(T)
-            self.state.copy_(gdn.commit_states(self.state, K, U, C, last, path_mask))
+            gdn.commit_states_(self.state, K, U, C, last, path_mask)
         rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
         self.conv.copy_(self.ext(T).index_select(1, rows))
 
@@ -339,22 +339,43 @@ def _call_layer(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
 _COMPILED: dict = {}
 
 
-def compiled_layer():
-    """`_call_layer` through torch.compile (inductor): the elementwise chains of a layer (norms,
-    gates, conv, rope, the T=1 recurrence) fuse into a few Triton kernels, which matters because
-    a decode step is otherwise bound by ~5000 kernel launches. One compiled function serves all
-    layers: layers hold their buffers as tensors (no per-layer ints) and have no Python side
-    effects in forward, so dynamo's guards only tell the two layer kinds and T = 1 from T > 1
-    apart (T becomes dynamic after the second tree size). The eager path is the reference twin
-    (tests/test_gpu.py compares them)."""
-    fn = _COMPILED.get("layer")
-    if fn is None:
+def compiled(fn):
+    """`fn` through torch.compile (inductor), made once per function.
+
+    Why: a decode step is otherwise bound by kernel launches (~5000 small kernels per token);
+    inductor fuses the elementwise chains (norms, gates, conv, rope, the T = 1 recurrence) into a
+    few Triton kernels. For `_call_layer` one compiled function serves all layers: layers hold
+    their buffers as tensors (no per-layer ints) and forward has no Python side effects, so
+    dynamo's guards only tell the layer kinds and T = 1 from T > 1 apart (T turns dynamic after
+    the second tree size). The eager functions are the reference twins (tests/test_compile.py,
+    tests/test_gpu.py)."""
+    c = _COMPILED.get(fn)
+    if c is None:
         import torch._dynamo
 
         cfg = torch._dynamo.config
         cfg.recompile_limit = max(cfg.recompile_limit, 64)  # layer kinds x T=1/T>1 x context buckets
-        fn = _COMPILED["layer"] = torch.compile(_call_layer, dynamic=None)
-    return fn
+        c = _COMPILED[fn] = torch.compile(fn, dynamic=None)
+    return c
+
+
+def _mixer_half(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
+    return layer.mixer(layer.input_layernorm(x), s)
+
+
+def _mlp_half(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    return layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _call_layer_split(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
+    """Under tensor parallelism: the two halves compiled, the all-reduces between them eager
+    (collectives stay out of the compiled graphs; the CUDA graph captures them all the same)."""
+    x = x + layer.reduce(compiled(_mixer_half)(layer, x, s))
+    return x + layer.reduce(compiled(_mlp_half)(layer, x))
+
+
+def compiled_layer(layer: DecoderLayer):
+    return compiled(_call_layer) if layer.reduce is _identity else _call_layer_split
 
 
 def rope_tables(cfg: TargetConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,12 +511,12 @@ class TargetModel(nn.Module):
         x = self.embed_tokens(tokens)
         # Tree and decode forwards go through the compiled layer when enabled (fewer, fused kernels);
         # prefill chunks stay eager (they may use fla's kernels, and their shapes vary).
-        run_layer = compiled_layer() if self.compile_layers and not chain else _call_layer
+        fast = self.compile_layers and not chain
         taps = []
         for i, (layer, dev) in enumerate(zip(self.layers, self.layer_devices)):
             if x.device != dev:
                 x = x.to(dev, non_blocking=True)
-            x = run_layer(layer, x, step_on(dev))
+            x = (compiled_layer(layer) if fast else _call_layer)(layer, x, step_on(dev))
             if want_taps and i in self.tap_layers:
                 taps.append(x)
         x = x.to(self.out_device, non_blocking=True)

@@ -315,7 +315,7 @@ def random_drafter(raw: dict, target, device, dtype: torch.dtype, max_len: int, 
 
 def _decoder_kw(opts: dict) -> dict:
     """Decoder options passed through only when given (use_graphs: False = eager on CUDA)."""
-    return {k: opts[k] for k in ("use_graphs",) if opts.get(k) is not None}
+    return {k: opts[k] for k in ("use_graphs", "compile") if opts.get(k) is not None}
 
 
 def bench_worker(rank: int, world: int, device, target_raw: dict, drafter_raw: dict | None, dtype, jobs: list[dict],

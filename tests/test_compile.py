@@ -29,10 +29,16 @@ def _random_tree(T: int, gen: torch.Generator):
 
 
 @torch.no_grad()
-def check_compiled_matches_eager(device: str, tol: float = 1e-5):
-    """Forward + commit through compiled layers vs eager on random trees (shared with test_gpu)."""
+def check_compiled_matches_eager(device: str, tol: float = 1e-5, split: bool = False):
+    """Forward + commit through compiled layers vs eager on random trees (shared with test_gpu).
+
+    split: give every layer a non-identity `reduce` (a copy), which selects the tensor-parallel
+    form (two compiled halves per layer, the reduce eager between them)."""
     dec, raw = build_random_pair("hybrid", 5, device=device)
     tgt = dec.target
+    if split:
+        for layer in tgt.layers:
+            layer.reduce = torch.clone
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, raw["text_config"]["vocab_size"], (23,), generator=gen).to(device)
     for T in (1, 9, 16, 1, 24):  # T = 1 specialised; T > 1 compiled once as static, then dynamic
@@ -62,8 +68,9 @@ def check_compiled_matches_eager(device: str, tol: float = 1e-5):
     tgt.compile_layers = False
 
 
-def test_compiled_layers_match_eager_forward_and_commit(one_thread):
-    check_compiled_matches_eager("cpu")
+@pytest.mark.parametrize("split", [False, True], ids=["whole-layer", "tp-halves"])
+def test_compiled_layers_match_eager_forward_and_commit(one_thread, split):
+    check_compiled_matches_eager("cpu", split=split)
 
 
 @torch.no_grad()
