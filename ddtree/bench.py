@@ -13,6 +13,7 @@ line), tokenizer, stop tokens, and loading the target (+ drafter).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -348,6 +349,23 @@ def format_table(doc: dict) -> str:
     return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
 
 
+def divergence(dec, prompt_ids: list[int], ar: list[int], other: list[int]) -> dict:
+    """Where a greedy output first leaves ar's, and how close the target's two candidates were there:
+    the logits of ar's token and of the other token after the common prefix (one eager prefill in
+    the run's dtype), with the spacing of representable values at that magnitude (one "ulp")."""
+    i = next((j for j, (a, b) in enumerate(zip(ar, other)) if a != b), min(len(ar), len(other)))
+    out = {"index": i, "ar_token": ar[i] if i < len(ar) else None, "other_token": other[i] if i < len(other) else None}
+    if out["ar_token"] is None or out["other_token"] is None:  # one stopped earlier: no logit question
+        return {**out, "logit_gap": None, "logit_ulp": None}
+    tgt = dec.target
+    tgt.reset()
+    tgt.compile_layers = False
+    logits, _ = tgt.prefill(torch.tensor(prompt_ids + ar[:i], device=tgt.device), want_taps=False)
+    a, b = float(logits[out["ar_token"]]), float(logits[out["other_token"]])
+    ulp = float(torch.finfo(tgt.dtype).eps) * 2 ** math.floor(math.log2(max(abs(a), 1e-30)))
+    return {**out, "logit_gap": a - b, "logit_ulp": ulp}
+
+
 def run_bench(
     target: str | None,
     drafter: str | None = None,
@@ -451,13 +469,19 @@ def run_bench(
             mismatched = [r.prompt_id for r in records if list(r.token_ids) != ar_tokens.get(r.prompt_id)]
             exact = not mismatched
             if mismatched:
+                diverged = [{"prompt_id": p.id, **divergence(dec, ids, ar_tokens[p.id], list(r.token_ids))}
+                            for (p, ids), r in zip(encoded, records) if p.id in mismatched]
+                gaps = ", ".join(f"{d['prompt_id']}@{d['index']}: logit gap {d['logit_gap']:.3g} (ulp {d['logit_ulp']:.3g})"
+                                 if d["logit_gap"] is not None else f"{d['prompt_id']}@{d['index']}: length"
+                                 for d in diverged[:5])
                 logger.warning(
                     f"EXACTNESS: {_label(method, budget)} differs from ar's greedy output on {len(mismatched)} of "
-                    f"{len(records)} prompts ({', '.join(mismatched[:5])}{' ...' if len(mismatched) > 5 else ''}); "
-                    "in float32 this is a bug, in bf16/fp16 it can be a near-tie of two logits"
+                    f"{len(records)} prompts ({gaps}); in float32 this is a bug, in bf16/fp16 a gap of a few "
+                    "logit ulps is a near-tie that the tree's and the step's different rounding broke apart"
                 )
         results.append(dict(method=method, budget=run_budget if method == "ddtree" else None, records=records,
-                            speedup_vs_ar=speedup, block_size=block, exact=exact, mismatched=mismatched))
+                            speedup_vs_ar=speedup, block_size=block, exact=exact, mismatched=mismatched,
+                            diverged=diverged if mismatched else []))
 
     meta = model_metadata(spec, opts, prompts=str(prompts), methods=meths, budgets=buds, warmup=warmup, limit=limit,
                           max_length=max_len, top1_first=top1_first)
@@ -468,6 +492,7 @@ def run_bench(
             run["budget_setting"] = "auto"  # the decoder picked the budget per round
         run["exact_match_vs_ar"] = r["exact"]
         run["mismatched_prompts"] = r["mismatched"]
+        run["first_divergences"] = r["diverged"]
         if r["exact"] is not None:
             bad = set(r["mismatched"])
             for pd in run["prompts"]:

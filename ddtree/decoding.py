@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ddtree.drafter import DFlashDrafter
@@ -87,8 +88,8 @@ class _Draft:
     """The drafter's proposal as the host reads it (once per round)."""
 
     bonus: int
-    topk_lp: torch.Tensor | None  # [D, K] CPU
-    topk_ids: torch.Tensor | None
+    topk_lp: np.ndarray | None  # [D, K] float32 (a view of the round's one host copy)
+    topk_ids: np.ndarray | None  # [D, K] int64
 
 
 AUTO_BUDGETS = (4, 8, 15, 32, 64, 128)  # 15 draft nodes = the block-16 chain's verify size
@@ -200,14 +201,14 @@ class Decoder:
         logits = self.drafter.draft_logits(bonus, kv_len)  # [B-1, V]
         if not sp.greedy:
             logits = logits / sp.temperature
-        lp = torch.log_softmax(logits, -1)
-        return lp.topk(k, dim=-1)  # values, indices: [B-1, k]
+        vals, ids = logits.topk(k, dim=-1)  # [B-1, k]: top-k of the logits = top-k of the log-probs
+        return vals - torch.logsumexp(logits, -1, keepdim=True), ids  # no full [B-1, V] log_softmax
 
     def _tree(self, method: str, bonus: int, draft: _Draft | None, budget: int, top1_first: bool) -> Tree:
         if method == "ar":
             return Tree.chain(torch.tensor([bonus]))
         if method == "dflash":
-            return Tree.chain(torch.cat([torch.tensor([bonus]), draft.topk_ids[:, 0]]))
+            return Tree.chain([bonus] + draft.topk_ids[:, 0].tolist())
         return build_tree(bonus, draft.topk_lp, draft.topk_ids, budget, top1_first=top1_first)
 
     def _slot(self, T: int) -> _Slot:
@@ -382,9 +383,10 @@ class Decoder:
         if taps_on:
             self.drafter.add_context(taps)
             lp, ids = self._draft_topk(bonus_d, min(_bucket(len(prompt_ids), self.bucket), self.max_len), k, sampling)
-            host = torch.cat([bonus_d.view(1).float(), lp.flatten(), ids.flatten().float()]).cpu()
+            host = torch.cat([bonus_d.view(1).float(), lp.flatten(), ids.flatten().float()]).cpu().numpy()
             D = lp.shape[0]
-            draft = _Draft(int(host[0]), host[1 : 1 + D * k].view(D, k), host[1 + D * k :].view(D, k).long())
+            draft = _Draft(int(host[0]), host[1 : 1 + D * k].reshape(D, k),
+                           host[1 + D * k :].reshape(D, k).astype(np.int64))
             bonus = draft.bonus
         else:
             bonus = int(bonus_d)  # the one sync of the prefill
@@ -429,17 +431,18 @@ class Decoder:
             packed = self._run(("draft", vkey, P, draft_kv, k, sampling),
                                lambda: self._draft(committed, taps, draft_kv, k, sampling))
             e3 = clock.now()
-            host = packed.cpu()  # the round's one device-to-host sync
+            host = packed.cpu().numpy()  # the round's one device-to-host sync; host work below is numpy/lists
             n, bonus = int(host[0]), int(host[1])
             if chooser is not None:
                 chooser.update(T - 1, predicted, n - 1, (time.perf_counter() - h0) * 1e3)
-            path = host[2 : 2 + P].long().tolist()[:n]
+            path = host[2 : 2 + n].astype(np.int64).tolist()
             if taps_on:
                 D, o = depth, 2 + P
-                draft = _Draft(bonus, host[o : o + D * k].view(D, k), host[o + D * k :].view(D, k).long())
+                draft = _Draft(bonus, host[o : o + D * k].reshape(D, k), host[o + D * k :].reshape(D, k).astype(np.int64))
             start += n
             # ---------------- emit: accepted draft tokens, then the new bonus
-            toks = tree.tokens[path[1:]].tolist() + [bonus]
+            tree_tokens, tree_ranks = tree.tokens.tolist(), tree.ranks.tolist()
+            toks = [tree_tokens[i] for i in path[1:]] + [bonus]
             toks = toks[: max_new_tokens - len(out)]
             for i, t in enumerate(toks):
                 if t in stop_ids:
@@ -448,8 +451,8 @@ class Decoder:
             out.extend(toks)
             if on_tokens:
                 on_tokens(toks)
-            ranks = tree.ranks[path[1:]].tolist()
-            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=int(tree.depths.max()), accepted=n - 1,
+            ranks = [tree_ranks[i] for i in path[1:]]
+            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=max(tree.depths.tolist()), accepted=n - 1,
                                       accepted_ranks=ranks, committed=len(toks), times_ms={}))
             pending_times.append([("tree", host_tree_ms), ("verify", e0, e1), ("commit", e1, e2), ("draft", e2, e3)])
         sync(dev)

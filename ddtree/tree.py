@@ -65,10 +65,13 @@ class Tree:
         """A path: tokens[0] is the root, node n's parent is n-1 (ranks all 0)."""
         tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)  # [N]
         n = tokens.shape[0]
-        ar = torch.arange(n, dtype=torch.int64)
-        return cls(tokens=tokens, parents=ar - 1, depths=ar.clone(),
-                   ranks=torch.zeros(n, dtype=torch.int64),
-                   ancestor_mask=torch.ones(n, n, dtype=torch.bool).tril())
+        shape = _CHAINS.get(n)
+        if shape is None:  # the same for every chain of n nodes (a dflash round each): made once
+            ar = torch.arange(n, dtype=torch.int64)
+            shape = _CHAINS[n] = (ar - 1, ar.clone(), torch.zeros(n, dtype=torch.int64),
+                                  torch.ones(n, n, dtype=torch.bool).tril())
+        parents, depths, ranks, mask = shape
+        return cls(tokens=tokens, parents=parents, depths=depths, ranks=ranks, ancestor_mask=mask)
 
     def truncate(self, n: int) -> "Tree":
         """The first n nodes. For a best-first tree this is the best-first tree of budget n - 1
@@ -84,6 +87,9 @@ class Tree:
             path.append(node)
             node = parents[node]
         return path[::-1]
+
+
+_CHAINS: dict = {}  # n -> (parents, depths, ranks, ancestor_mask) of the n-node chain (read-only)
 
 
 def _ancestor_mask_np(parents: list[int]) -> np.ndarray:

@@ -9,9 +9,11 @@ Measures, in one run on one GPU (or a layer split over several with --devices):
   * DFlash chain and DDTree rounds (budget sweep) with random weights: round time
   * transformers' own forward per token on the same weights (--hf)
   * the dense Qwen3-8B + DFlash-b16 DDTree round at budget 32, 512 context (--dense)
+  * real acceptance and tok/s of ar / dflash / ddtree (8..64, auto) on the codepair pair (--codepair DIR)
 
-Prints one table and writes JSON (--out). Example:
-    python scripts/bench_engine.py --preset qwen3.6-27b --hf --dense --out results/engine.json
+Prints one table, then issue #6's targets with the measured figure and pass/fail, and writes JSON
+(--out). Example:
+    python scripts/bench_engine.py --hf --dense --codepair ../shared/fixtures/codepair --out results/engine.json
 """
 
 from __future__ import annotations
@@ -221,6 +223,23 @@ def bench_preset(name: str, devices: list[str], contexts: list[int], budgets: li
     return res
 
 
+def codepair_bench(d: Path, device: str, limit: int, out: str) -> dict:
+    """`ddtree bench` on the real trained pair: tok/s per method, each as a ratio to ar in this run."""
+    from ddtree.bench import run_bench
+
+    doc = run_bench(str(d / "target"), str(d / "drafter"), prompts=str(d / "prompts.jsonl"), raw=True,
+                    budgets="8,16,32,64,auto", devices=device, limit=limit, max_new_tokens=192, progress=False,
+                    out=str(Path(out).with_name(Path(out).stem + "-codepair.json")))
+    res = {}
+    for run in doc["runs"]:
+        key = run["method"] + ("" if run["method"] != "ddtree" else f":{run.get('budget_setting') or run['budget']}")
+        agg = run["aggregate"]
+        res[key] = {"tok_s": agg["decode_tok_s"], "accept": agg["mean_acceptance_length"],
+                    "speedup_vs_ar": run.get("speedup_vs_ar"), "exact": run.get("exact_match_vs_ar"),
+                    "first_divergences": run.get("first_divergences", [])}
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3.6-27b", choices=sorted(PRESETS))
@@ -232,6 +251,9 @@ def main():
     ap.add_argument("--hf", action="store_true", help="also time transformers' own forward on the same weights")
     ap.add_argument("--dense", action="store_true", help="also run the Qwen3-8B + DFlash-b16 round at 512 context")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one eager verify (N=1, 64)")
+    ap.add_argument("--codepair", type=Path, default=None,
+                    help="codepair fixture dir (target/, drafter/, prompts.jsonl): real-acceptance bench")
+    ap.add_argument("--codepair-limit", type=int, default=8, help="prompts of the codepair bench")
     ap.add_argument("--out", default="results/engine.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -246,9 +268,11 @@ def main():
                                sizes, a.hf, a.gen_tokens, a.profile)
     if a.dense:
         out["dense"] = bench_preset("qwen3-8b", a.devices.split(",")[:1], [512], [32], [1, 33], a.hf, a.gen_tokens)
+    if a.codepair is not None:
+        out["codepair"] = codepair_bench(a.codepair, a.devices.split(",")[0], a.codepair_limit, a.out)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    report(out)  # also adds out["targets"]
     Path(a.out).write_text(json.dumps(out, indent=2, default=str))
-    report(out)
 
 
 def report(out: dict):
@@ -277,6 +301,58 @@ def report(out: dict):
             for m, x in r["rounds"].items():
                 print(f"  {m:16s} {x['round_ms']:8.2f} {x['tree_ms']:5.2f} {x['verify_ms']:7.2f} {x['commit_ms']:7.2f} "
                       f"{x['draft_ms']:6.2f} {x['overhead_ms']:8.2f}")
+    if "codepair" in out:
+        print("-- codepair (real trained pair, bf16, greedy)")
+        for k, x in out["codepair"].items():
+            print(f"  {k:12s} {x['tok_s']:8.1f} tok/s  accept {x['accept']:.2f}  x{(x['speedup_vs_ar'] or 1):.2f} vs ar"
+                  f"  exact {x['exact']}")
+    targets(out)
+
+
+def targets(out: dict):
+    """Issue #6's targets, each with its measured figure."""
+    rows = []
+    main_ = out.get("main", {})
+    r = main_.get("ctx1024")
+    if r:
+        roof = out["copy_GBps"] * 1e9 / r["bytes_per_token"]
+        rows.append(("1 AR >= 80% of roofline (1k ctx)", f"{r['ar_tok_s']:.1f} tok/s = {100 * r['ar_tok_s'] / roof:.0f}% "
+                     f"of {roof:.1f}", r["ar_tok_s"] >= 0.8 * roof))
+        step = r["ar_ms_per_token"]
+        v = r["verify_ms"]
+        for T, lim in ((33, 1.3), (32, 1.3), (65, 1.5), (64, 1.5)):
+            if T in v:
+                bare = v[1] + r["commit_ms"][1] if 1 in v else float("nan")
+                rows.append((f"2 verify {T} nodes <= {lim}x AR step", f"{v[T]:.2f} ms = {v[T] / step:.2f}x of {step:.2f} "
+                             f"({v[T] / bare:.2f}x of the bare step {bare:.2f})", v[T] <= lim * step))
+        dm = statistics.median([x for x in r["draft_ms"].values() if x])
+        rows.append(("2 drafter forward <= 0.15x AR step", f"{dm:.2f} ms = {dm / step:.2f}x", dm <= 0.15 * step))
+        for key in ("ddtree:32", "dflash:15"):
+            x = r["rounds"].get(key)
+            if x:
+                rows.append((f"3 round outside forwards <= 0.5 ms ({key})",
+                             f"{x['overhead_ms']:.2f} ms (tree {x['tree_ms']:.2f}, commit {x['commit_ms']:.2f})",
+                             x["overhead_ms"] <= 0.5))
+        if r.get("ar_speedup_vs_hf"):
+            rows.append(("5 AR >= 5x transformers", f"{r['ar_speedup_vs_hf']:.1f}x ({r['hf_ms_per_token']:.0f} ms/token)",
+                         r["ar_speedup_vs_hf"] >= 5))
+    cp = out.get("codepair")
+    if cp:
+        trees = {k: x for k, x in cp.items() if k.startswith("ddtree")}
+        best = max(trees, key=lambda k: trees[k]["tok_s"])
+        ar, df, au = cp["ar"]["tok_s"], cp["dflash"]["tok_s"], cp.get("ddtree:auto", {}).get("tok_s", 0)
+        rows.append(("4 codepair ddtree(best) >= dflash >= ar", f"{best} {trees[best]['tok_s']:.0f} / dflash {df:.0f} / "
+                     f"ar {ar:.0f} tok/s ({trees[best]['tok_s'] / ar:.2f}x, {df / ar:.2f}x)", trees[best]["tok_s"] >= df >= ar))
+        rows.append(("4 codepair ddtree auto >= dflash", f"{au:.0f} vs {df:.0f} tok/s ({au / df:.2f}x)", au >= 0.97 * df))
+    d = out.get("dense", {}).get("ctx512")
+    if d:
+        x = d["rounds"].get("ddtree:32")
+        rows.append(("6 Qwen3-8B round @32 <= 44/5 = 8.8 ms", f"{x['round_ms']:.2f} ms ({44 / x['round_ms']:.1f}x faster)",
+                     x["round_ms"] <= 8.8))
+    print("\n-- issue #6 targets")
+    for name, fig, ok in rows:
+        print(f"  {'PASS' if ok else 'MISS'}  {name:44s} {fig}")
+    out["targets"] = [{"target": n, "measured": f, "pass": bool(ok)} for n, f, ok in rows]
 
 
 if __name__ == "__main__":

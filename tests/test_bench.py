@@ -178,3 +178,24 @@ def test_format_table_shapes():
     lines = format_table(doc).splitlines()
     assert len(lines) == 4
     assert "2.50x" in lines[3] and "NO" in lines[3] and "3.10" in lines[3]
+
+
+def test_divergence_reports_first_difference_and_logit_gap(one_thread):
+    """The bench's near-tie diagnosis: first differing index, and logit(ar's token) - logit(other)
+    after the common prefix, which for ar's own greedy choice is >= 0."""
+    import torch
+
+    from ddtree.bench import divergence
+    from ddtree.testing import build_random_pair
+
+    dec, _ = build_random_pair("hybrid", 3)
+    prompt = [5, 9, 11, 40, 2]
+    ar = dec.generate(prompt, "ar", max_new_tokens=12).token_ids
+    other = ar[:7] + [(ar[7] + 1) % 97] + ar[8:]
+    d = divergence(dec, prompt, ar, other)
+    assert (d["index"], d["ar_token"], d["other_token"]) == (7, ar[7], other[7])
+    dec.target.reset()
+    logits, _ = dec.target.prefill(torch.tensor(prompt + ar[:7]), want_taps=False)
+    assert d["logit_gap"] == pytest.approx(float(logits[ar[7]] - logits[other[7]]), abs=1e-6)
+    assert d["logit_gap"] >= 0 and 0 < d["logit_ulp"] < 1e-5  # fp32: eps * 2^floor(log2 |logit|)
+    assert divergence(dec, prompt, ar, ar[:5])["logit_gap"] is None  # a shorter output: no logit question
