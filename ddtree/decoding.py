@@ -187,6 +187,7 @@ class Decoder:
         self._slots: dict[int, _Slot] = {}
         self._graphs: dict = {}
         self._outs: dict = {}
+        self._vsteps: dict = {}  # verify key -> {device: GDNGroup.step of that verify}
         if drafter is not None:
             target.tap_layers = list(drafter.cfg.target_layer_ids)
             drafter.attach(target.embed_tokens, target.lm_head)
@@ -246,7 +247,21 @@ class Decoder:
         return torch.cat(parts)
 
     def _run(self, key, fn):
-        """Run fn() eagerly, or through a CUDA graph captured on first use of `key`."""
+        """Run fn() eagerly, or through a CUDA graph captured on first use of `key`.
+
+        A commit reads, at capture time, what its verify left in the GDN groups' `step` (tree size,
+        conv windows, path mask). Under graphs the last verify *executed in Python* need not be the
+        one being committed (--budget auto captures every size up front; replays run no Python),
+        so each verify key keeps its own step and its commit runs with it."""
+        if key[0] == "commit":
+            for dev, st in self._vsteps.get(key[1], {}).items():
+                self.target.gdn_groups[dev].step = st
+        out = self._run_fn(key, fn)
+        if key[0] == "verify" and (not self.use_graphs or key not in self._vsteps):
+            self._vsteps[key] = {dev: g.step for dev, g in self.target.gdn_groups.items()}
+        return out
+
+    def _run_fn(self, key, fn):
         if not self.use_graphs:
             return fn()
         if key not in self._graphs:

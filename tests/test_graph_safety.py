@@ -76,3 +76,44 @@ def test_draft_piece_repeats_exactly():
     dec._restore(snap)
     b = dec._draft(committed, taps, kv, 4, sp)
     assert torch.equal(a, b)
+
+
+def test_commit_uses_its_own_verify_step_under_replay_order():
+    """Under graphs a verify replay runs no Python, so when a commit is captured the GDN groups'
+    `step` may still describe another verify (--budget auto captures every tree size up front).
+    Replayed in that order on CPU, the commit must still equal verify-then-commit of its own tree."""
+    dec, _ = build_random_pair("hybrid", seed=4)
+    dec.generate([3, 4, 5, 6, 7, 8], "ar", max_new_tokens=2)
+    start = int(dec.start_d)
+    par = torch.tensor([-1, 0, 1, 0, 2, 4, 3, 1, 7])
+    tree_a = Tree(torch.arange(20, 29), par, torch.tensor([0, 1, 2, 1, 3, 4, 2, 2, 3]), torch.zeros(9, dtype=torch.long),
+                  ancestor_mask_from_parents(par))
+    tree_b = Tree.chain(torch.tensor([30, 31, 32, 33, 34]))
+    slot_a, slot_b = dec._slot(9), dec._slot(5)
+    slot_a.load(tree_a)
+    slot_b.load(tree_b)
+    kv = _bucket(start + 9, dec.bucket)
+    key_a, key_b = ("verify", 9, kv, True, False), ("verify", 5, kv, True, False)
+    P = dec.block_size
+
+    def choose_a():  # root -> node 1 -> node 7 -> node 8: a path that is not a prefix of node order
+        slot_a.choice.copy_(torch.tensor([21, 27, 0, 0, 0, 0, 0, 28, 0]))
+
+    snap = dec._snapshot()
+    dec._run(key_a, lambda: dec._verify(slot_a, kv, True, False))
+    choose_a()
+    path, n, _ = dec._run(("commit", key_a, P), lambda: dec._commit(slot_a, P))
+    assert path[:4].tolist() == [0, 1, 7, 8] and int(n) == 4
+    ref = _state(dec, start + 10)
+    dec._restore(snap)
+    dec._run(key_a, lambda: dec._verify(slot_a, kv, True, False))  # "capture" of a
+    dec._run(key_b, lambda: dec._verify(slot_b, kv, True, False))  # "capture" of b: the last Python verify
+    groups = dec.target.gdn_groups.values()
+    step_b = [g.step for g in groups]
+    dec._verify(slot_a, kv, True, False)  # a "replay" of a: same kernels, no Python bookkeeping ...
+    for g, st in zip(groups, step_b):
+        g.step = st  # ... so the groups still hold b's step
+    choose_a()
+    dec._run(("commit", key_a, P), lambda: dec._commit(slot_a, P))
+    for a, b in zip(ref, _state(dec, start + 10)):
+        assert torch.equal(a, b)
