@@ -230,8 +230,9 @@ def fla_chain(q, k, v, g, beta, S0):
             return None
         _FLA["fn"] = chunk_gated_delta_rule
     try:
-        o, final = _FLA["fn"](q.float()[None], k.float()[None], v.float()[None], g.float()[None], beta.float()[None],
-                              scale=1.0, initial_state=S0[None].float(), output_final_state=True)
+        with torch.cuda.device(q.device):  # Triton launches on the current device: make it q's
+            o, final = _FLA["fn"](q.float()[None], k.float()[None], v.float()[None], g.float()[None],
+                                  beta.float()[None], scale=1.0, initial_state=S0[None].float(), output_final_state=True)
         o, final = o[0].float(), final[0].float()
     except Exception as e:  # an fla / Triton version that does not run here: fall back, once
         from loguru import logger
@@ -247,7 +248,10 @@ def fla_chain(q, k, v, g, beta, S0):
         err = max(float((o - ref_o).abs().max() / ref_o.abs().max().clamp_min(1e-30)),
                   float((final - ref_S).abs().max() / ref_S.abs().max().clamp_min(1e-30)))
         _FLA["checked"] = True
-        if not err < 1e-3:
+        # fp32 dots inside fla's kernels run as TF32: ~1e-3 off. Accept that where the model's own
+        # values are coarser anyway (half of bf16/fp16 eps); demand 1e-3 of a float32 model.
+        tol = 1e-3 if v.dtype == torch.float32 else max(1e-3, torch.finfo(v.dtype).eps / 2)
+        if not err < tol:
             from loguru import logger
 
             logger.warning(f"flash-linear-attention disagrees with the torch GDN path (rel. err {err:.2g}); not using it")

@@ -164,13 +164,38 @@ def hf_state_dict(model) -> dict:
 
 
 def hf_reference(model, raw_cfg: dict):
-    """transformers' own CausalLM with our model's weights (float32, eager attention)."""
+    """transformers' own CausalLM with our model's weights (float32, eager attention), on its
+    pure-torch GDN functions: with flash-linear-attention installed, transformers wires fla's
+    Triton kernels (and fused gated norm) in at construction, which are neither an exact fp32
+    reference nor runnable on CPU tensors."""
     cls, hf_cfg = hf_class_and_config(raw_cfg)
     hf = cls(hf_cfg).eval()
     missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
     missing = [m for m in missing if "rotary" not in m]
     assert not missing and not unexpected, (missing, unexpected)
+    _torch_gdn_paths(hf)
     return hf.to(model.dtype)
+
+
+def _torch_gdn_paths(hf) -> None:
+    import importlib
+
+    mod = importlib.import_module(type(hf).__module__)
+    torch_fns = {"chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
+                 "recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+                 "causal_conv1d_update": "torch_causal_conv1d_update"}
+    gated_norm = next((getattr(mod, n) for n in dir(mod) if n.endswith("RMSNormGated") and not n.startswith("Fused")), None)
+    for m in hf.modules():
+        for attr, fn in torch_fns.items():
+            if hasattr(m, attr) and hasattr(mod, fn):
+                setattr(m, attr, getattr(mod, fn))
+        if hasattr(m, "causal_conv1d_fn"):
+            m.causal_conv1d_fn = None  # None selects nn.Conv1d
+        norm = getattr(m, "norm", None)
+        if norm is not None and type(norm).__name__ == "FusedRMSNormGated" and gated_norm is not None:
+            ref = gated_norm(norm.weight.shape[0], eps=norm.eps)
+            ref.weight = norm.weight
+            m.norm = ref
 
 
 def drafter_config(raw: dict, target_raw: dict) -> DrafterConfig:
