@@ -233,3 +233,24 @@ def test_tp_nccl_generate_matches_single_gpu(pair_dirs, use_graphs):
     for job, rec in zip(jobs, recs):
         ref = dec.generate(PROMPT, method=job["method"], budget=8, max_new_tokens=24, seed=0)
         assert rec.token_ids == ref.token_ids, job
+
+
+def test_tp_compiled_layers_match_single_process(pair_dirs):
+    """The compiled tensor-parallel layers (two compiled halves around each all-reduce, what a GPU
+    TP run uses by default) give the single process's greedy ddtree tokens, over gloo on CPU."""
+    import shutil
+
+    if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        pytest.skip("torch.compile on CPU needs a C++ compiler (g++/clang++), none on PATH")
+    tdir, ddir, target, drafter = pair_dirs
+    dec = Decoder(target, drafter, 512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = dec.generate(PROMPT, method="ddtree", budget=8, sampling=SamplingParams(), max_new_tokens=16, seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    rec = run_generate_tp(dict(target=str(tdir), drafter=str(ddir), method="ddtree", budget=8, max_new_tokens=16,
+                               temperature=0.0, top_p=1.0, top_k=0, seed=0, dtype="float32", max_length=512,
+                               prompt_ids=PROMPT, stop_ids=[], tp=W, device_type="cpu", compile=True))
+    assert rec.token_ids == ref.token_ids
