@@ -74,7 +74,11 @@ def tree_wy(q, k, v, g, beta, S0, path_mask, out=None):
             U = Ub.copy_(U)
         o = ec * qS + (q * k).sum(-1, keepdim=True) * U
         return o.transpose(0, 1), (k, U, c)
-    c = torch.matmul(g, path_mask.to(torch.float32).t(), out=cb)  # [H, T]: c[h, n] = sum_{j in path(n)} g[h, j]
+    # Results are copied into the scratch views (not written through out=): the views are strided,
+    # and dynamo cannot trace out= into a non-contiguous tensor (it would break the compiled layer).
+    c = g @ path_mask.to(torch.float32).t()  # [H, T]: c[h, n] = sum_{j in path(n)} g[h, j]
+    if cb is not None:
+        cb.copy_(c)
     diff = c[:, :, None] - c[:, None, :]  # [H, T, T]: c_n - c_j
     # Mask before exp: off-path entries can be large and positive.
     decay = torch.where(path_mask, diff, float("-inf")).exp()
@@ -82,7 +86,9 @@ def tree_wy(q, k, v, g, beta, S0, path_mask, out=None):
     M = (beta[:, :, None] * decay) * (k @ k.transpose(1, 2))  # [H, T, T]
     ec = c.exp()[:, :, None]  # [H, T, 1]
     B = beta[:, :, None] * (v - ec * kS)  # [H, T, dv]
-    U = torch.linalg.solve_triangular(M, B, upper=False, unitriangular=True, out=Ub)  # [H, T, dv]
+    U = torch.linalg.solve_triangular(M, B, upper=False, unitriangular=True)  # [H, T, dv]
+    if Ub is not None:
+        Ub.copy_(U)
     o = ec * qS + (decay * (q @ k.transpose(1, 2))) @ U  # [H, T, dv]
     return o.transpose(0, 1), (k, U, c)
 

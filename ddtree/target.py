@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -163,8 +164,9 @@ class Attention(nn.Module):
         slots = s.start + torch.arange(T, device=x.device)
         self.k_cache.index_copy_(0, slots, k)
         self.v_cache.index_copy_(0, slots, v)
-        kk = self.k_cache[: s.kv_len].transpose(0, 1)[None]  # [1, kvh, S, hd]
-        vv = self.v_cache[: s.kv_len].transpose(0, 1)[None]
+        S = s.attn_mask.shape[-1]  # = s.kv_len, read from a shape so that compiled code keeps it symbolic
+        kk = self.k_cache[:S].transpose(0, 1)[None]  # [1, kvh, S, hd]
+        vv = self.v_cache[:S].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], kk, vv, attn_mask=s.attn_mask[None, None], enable_gqa=self.h != self.kvh
         )  # [1, h, T, hd]
@@ -330,6 +332,19 @@ class DecoderLayer(nn.Module):
         # `reduce` sums the partial outputs of row-parallel projections under tensor parallelism.
         x = x + self.reduce(self.mixer(self.input_layernorm(x), s))
         return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
+
+
+def _mark_dynamic(s: Step) -> None:
+    """Compile once for every context length, and once for every tree size T > 1 (T = 1, the
+    decode step, keeps its own specialised code): without the marks dynamo first compiles static
+    shapes and recompiles on the second value, mid-generation."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    mark(s.attn_mask, 1)
+    if s.positions.shape[0] > 1:
+        for t in (s.positions, s.window, s.attn_mask, s.cos, s.sin):
+            mark(t, 0)
+        mark(s.path_mask, 0)
+        mark(s.path_mask, 1)
 
 
 def _call_layer(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
@@ -504,14 +519,18 @@ class TargetModel(nn.Module):
                 args = [t.to(dev, non_blocking=True) for t in (positions, path_mask, parents, start)]
                 st = steps[dev] = self.make_step(*args, kv_len, dev)
                 st.chain = chain
+                if fast:
+                    _mark_dynamic(st)
                 if dev in self.gdn_groups:  # what the commit will need
                     self.gdn_groups[dev].step = (positions.shape[0], st.window, st.path_mask, chain)
             return steps[dev]
 
-        x = self.embed_tokens(tokens)
         # Tree and decode forwards go through the compiled layer when enabled (fewer, fused kernels);
         # prefill chunks stay eager (they may use fla's kernels, and their shapes vary).
         fast = self.compile_layers and not chain
+        x = self.embed_tokens(tokens)
+        if fast and x.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
         taps = []
         for i, (layer, dev) in enumerate(zip(self.layers, self.layer_devices)):
             if x.device != dev:

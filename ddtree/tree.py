@@ -161,9 +161,8 @@ def build_tree(root_token: int, topk_logprobs, topk_ids, budget: int, top1_first
             counter += 1
 
     mask = torch.from_numpy(_ancestor_mask_np(parents))
-    as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    return Tree(tokens=as_t(tokens), parents=as_t(parents), depths=as_t(depths),
-                ranks=as_t(ranks), ancestor_mask=mask, scores=scores)
+    cols = torch.from_numpy(np.array((tokens, parents, depths, ranks), dtype=np.int64))  # one conversion, [4, N]
+    return Tree(tokens=cols[0], parents=cols[1], depths=cols[2], ranks=cols[3], ancestor_mask=mask, scores=scores)
 
 
 def benchmark_build(budget: int, depth: int = 15, k: int | None = None, repeats: int = 200) -> float:

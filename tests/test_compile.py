@@ -29,8 +29,11 @@ def _random_tree(T: int, gen: torch.Generator):
 
 
 @torch.no_grad()
-def check_compiled_matches_eager(device: str, tol: float = 1e-5, split: bool = False):
+def check_compiled_matches_eager(device: str, tol: float = 5e-5, split: bool = False):
     """Forward + commit through compiled layers vs eager on random trees (shared with test_gpu).
+
+    tol is relative to the largest value: inductor fuses and reorders fp32 reductions (the q.k
+    sums, norms), measured at 1e-6 to 1e-5 here; a wrong mask, view or state is off by O(1).
 
     split: give every layer a non-identity `reduce` (a copy), which selects the tensor-parallel
     form (two compiled halves per layer, the reduce eager between them)."""
@@ -70,7 +73,16 @@ def check_compiled_matches_eager(device: str, tol: float = 1e-5, split: bool = F
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole-layer", "tp-halves"])
 def test_compiled_layers_match_eager_forward_and_commit(one_thread, split):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     check_compiled_matches_eager("cpu", split=split)
+    # No graph breaks (each would leave eager kernels between compiled pieces), and one graph per
+    # layer kind (GDN, attention) for T = 1 and one for every T > 1; under TP the mixer half has
+    # those four and the MLP half (the same for both kinds) two.
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == (6 if split else 4)
 
 
 @torch.no_grad()
