@@ -485,6 +485,7 @@ def run_bench(
 
     meta = model_metadata(spec, opts, prompts=str(prompts), methods=meths, budgets=buds, warmup=warmup, limit=limit,
                           max_length=max_len, top1_first=top1_first)
+    meta["compiled_layers"] = bool(dec.compile)  # torch.compile'd layers inside CUDA graphs (DDTREE_NO_COMPILE=1: eager)
     doc = make_run_document(meta, [{k: r[k] for k in ("method", "budget", "records", "speedup_vs_ar", "block_size")}
                                    for r in results])
     for run, r, (_, b) in zip(doc["runs"], results, plan):

@@ -132,6 +132,9 @@ class BudgetChooser:
         self.n += 1
 
 
+_COMPILE_NOTICE: list = []  # the compile notice is logged once per process
+
+
 def _bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
@@ -265,6 +268,12 @@ class Decoder:
         if not self.use_graphs:
             return fn()
         if key not in self._graphs:
+            if self.target.compile_layers and not _COMPILE_NOTICE:
+                from loguru import logger
+
+                _COMPILE_NOTICE.append(True)
+                logger.info("compiling the layers for this GPU (first use in this process; inductor caches it on disk; "
+                            "DDTREE_NO_COMPILE=1 skips it)")
             # Warm up on a side stream (allocator, cuBLAS handles), then capture. The warm-up
             # mutates state, so it is run on snapshots: capture only reads buffers' addresses.
             snap = self._snapshot()
