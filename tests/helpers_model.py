@@ -5,10 +5,29 @@ from __future__ import annotations
 import contextlib
 import random
 
+import pytest
 import torch
 
 from ddtree.testing import build_random_target
 from ddtree.tree import Tree, ancestor_mask_from_parents
+
+
+class MaxErrors(dict):
+    """Worst relative error seen per check in a test module (printed by its report test, -s)."""
+
+    def note(self, key: str, e: float) -> float:
+        self[key] = max(self.get(key, 0.0), e)
+        return e
+
+    def report(self, tag: str) -> None:
+        print(f"\n[{tag}] max relative errors:", {k: f"{v:.2e}" for k, v in self.items()})
+
+
+@pytest.fixture(autouse=True)
+def tiny_cpu_each_test():
+    """Autouse in the modules that import it: every test runs under tiny_cpu()."""
+    with tiny_cpu():
+        yield
 
 
 @contextlib.contextmanager

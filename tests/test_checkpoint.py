@@ -15,17 +15,12 @@ from safetensors import safe_open
 from ddtree.checkpoint import load_drafter, load_target, save_checkpoint
 from ddtree.errors import DDTreeError
 from ddtree.testing import build_random_drafter, tiny_dense_config, tiny_drafter_config, tiny_hybrid_config
+from helpers_model import tiny_cpu_each_test  # noqa: F401 (autouse fixture)
 from helpers_model import assert_rel, build_target, tiny_cpu
 
 CPU = [torch.device("cpu")]
 MAX_LEN = 64
 TOL = 1e-4  # transformers vs ours, relative to the logit scale
-
-
-@pytest.fixture(autouse=True)
-def _tiny_cpu():
-    with tiny_cpu():
-        yield
 
 
 def _causal_config(raw: dict) -> dict:

@@ -11,21 +11,13 @@ import torch.nn.functional as F
 
 from ddtree import gdn
 from ddtree.tree import ancestor_mask_from_parents
-from helpers_model import tiny_cpu, assert_rel, random_parents
+from helpers_model import tiny_cpu_each_test  # noqa: F401 (autouse fixture)
+from helpers_model import MaxErrors, assert_rel, random_parents
 
 H, DK, DV = 3, 8, 5
 TOL = 1e-5  # relative to the largest reference magnitude, float32
-MAX_ERR: dict[str, float] = {}
-
-
-@pytest.fixture(autouse=True)
-def _tiny_cpu():
-    with tiny_cpu():
-        yield
-
-
-def _note(key, e):
-    MAX_ERR[key] = max(MAX_ERR.get(key, 0.0), e)
+MAX_ERR = MaxErrors()
+_note = MAX_ERR.note
 
 
 def rand_inputs(T: int, seed: int, decay: str = "mixed", heads: int = H):
@@ -226,4 +218,4 @@ def test_tree_conv_chain_matches_causal_conv1d(T, width):
 
 def test_report_max_errors():
     """Prints the worst relative errors seen so far (run with -s)."""
-    print("\n[gdn] max relative errors:", {k: f"{v:.2e}" for k, v in MAX_ERR.items()})
+    MAX_ERR.report("gdn")

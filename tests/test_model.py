@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from ddtree.testing import hf_reference, tiny_dense_config, tiny_hybrid_config
-from helpers_model import assert_rel, build_target, decode_step, tiny_cpu
+from helpers_model import tiny_cpu_each_test  # noqa: F401 (autouse fixture)
+from helpers_model import MaxErrors, assert_rel, build_target, decode_step
 
 TOL = 1e-4  # max abs diff < TOL * max abs logit (taps: * max abs hidden)
-MAX_ERR: dict[str, float] = {}
+MAX_ERR = MaxErrors()
+_note = MAX_ERR.note
 
 G, A = "linear_attention", "full_attention"
 CONFIGS = {
@@ -41,17 +43,6 @@ def _without_layer_types(raw: dict, interval: int) -> dict:
     del raw["text_config"]["layer_types"]
     raw["text_config"]["full_attention_interval"] = interval
     return raw
-
-
-@pytest.fixture(autouse=True)
-def _tiny_cpu():
-    with tiny_cpu():
-        yield
-
-
-def _note(key, e):
-    MAX_ERR[key] = max(MAX_ERR.get(key, 0.0), e)
-    return e
 
 
 def _model(name: str, seed: int = 0, max_len: int = 256):
@@ -172,4 +163,4 @@ def test_logits_scale_is_meaningful():
 
 
 def test_report_max_errors():
-    print("\n[model] max relative errors:", {k: f"{v:.2e}" for k, v in MAX_ERR.items()})
+    MAX_ERR.report("model")

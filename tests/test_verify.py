@@ -12,7 +12,9 @@ import torch
 
 from ddtree.testing import tiny_dense_config, tiny_hybrid_config
 from ddtree.tree import Tree
+from helpers_model import tiny_cpu_each_test  # noqa: F401 (autouse fixture)
 from helpers_model import (
+    MaxErrors,
     assert_rel,
     build_target,
     commit_path,
@@ -23,7 +25,6 @@ from helpers_model import (
     restore,
     snapshot,
     state_tensors,
-    tiny_cpu,
     verify_tree,
 )
 
@@ -32,7 +33,8 @@ MAX_DEPTH = 16
 # ddtree.testing.randomize_ as is (A in [1, 16], decay down to e^-30 per token): float32 rounding is
 # amplified ~1e3x (see helpers_model.tame_decay_), so the bound is looser; measured max ~6e-5.
 TOL_STRONG_DECAY = 3e-4
-MAX_ERR: dict[str, float] = {}
+MAX_ERR = MaxErrors()
+_note = MAX_ERR.note
 
 G, A = "linear_attention", "full_attention"
 MODELS = {
@@ -48,17 +50,6 @@ UNTAMED = {"hybrid-strong-decay"}
 
 def _tol(name: str) -> float:
     return TOL_STRONG_DECAY if name in UNTAMED else TOL
-
-
-@pytest.fixture(autouse=True)
-def _tiny_cpu():
-    with tiny_cpu():
-        yield
-
-
-def _note(key, e):
-    MAX_ERR[key] = max(MAX_ERR.get(key, 0.0), e)
-    return e
 
 
 def _setup(name: str, seed: int, prompt_len: int, dtype=torch.float32, max_len: int = 512):
@@ -305,7 +296,7 @@ def test_tree_verify_bf16(name, kind, N, seed):
 
 
 def test_report_max_errors():
-    print("\n[verify] max relative errors:", {k: f"{v:.2e}" for k, v in MAX_ERR.items()})
+    MAX_ERR.report("verify")
 
 
 @pytest.mark.parametrize("name", list(MODELS))
