@@ -359,7 +359,6 @@ def divergence(dec, prompt_ids: list[int], ar: list[int], other: list[int]) -> d
         return {**out, "logit_gap": None, "logit_ulp": None}
     tgt = dec.target
     tgt.reset()
-    tgt.compile_layers = False
     logits, _ = tgt.prefill(torch.tensor(prompt_ids + ar[:i], device=tgt.device), want_taps=False)
     a, b = float(logits[out["ar_token"]]), float(logits[out["other_token"]])
     ulp = float(torch.finfo(tgt.dtype).eps) * 2 ** math.floor(math.log2(max(abs(a), 1e-30)))

@@ -205,8 +205,11 @@ def chain_final(q, k, v, g, beta, S0, path_mask):
     """A chain (prefill chunk): outputs and the final state, through fla when it is usable, else
     tree_wy over the lower-triangular path_mask. -> (o [T, H, dv] fp32, final [H, dk, dv] fp32)."""
     r = fla_chain(q, k, v, g, beta, S0)
-    if r is not None:
-        return r
+    return r if r is not None else _chain_wy(q, k, v, g, beta, S0, path_mask)
+
+
+def _chain_wy(q, k, v, g, beta, S0, path_mask):
+    """tree_wy over a chain's lower-triangular path_mask, and the state after its last node."""
     T = q.shape[0]
     o, (kk, U, c) = tree_wy(q, k, v, g, beta, S0, path_mask)
     return o, commit_state(S0, kk, U, c, torch.full((), T - 1, dtype=torch.long, device=q.device), path_mask)
@@ -248,9 +251,7 @@ def fla_chain(q, k, v, g, beta, S0):
         return None
     if not _FLA["checked"]:
         T = q.shape[0]
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        ref_o, (kk, U, c) = tree_wy(q, k, v, g, beta, S0, mask)
-        ref_S = commit_state(S0, kk, U, c, torch.tensor(T - 1, device=q.device), mask)
+        ref_o, ref_S = _chain_wy(q, k, v, g, beta, S0, torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
         err = max(float((o - ref_o).abs().max() / ref_o.abs().max().clamp_min(1e-30)),
                   float((final - ref_S).abs().max() / ref_S.abs().max().clamp_min(1e-30)))
         _FLA["checked"] = True

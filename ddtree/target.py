@@ -361,15 +361,13 @@ def compiled(fn):
     inductor fuses the elementwise chains (norms, gates, conv, rope, the T = 1 recurrence) into a
     few Triton kernels. For `_call_layer` one compiled function serves all layers: layers hold
     their buffers as tensors (no per-layer ints) and forward has no Python side effects, so
-    dynamo's guards only tell the layer kinds and T = 1 from T > 1 apart (T turns dynamic after
-    the second tree size). The eager functions are the reference twins (tests/test_compile.py,
-    tests/test_gpu.py)."""
+    dynamo's guards only tell the layer kinds and T = 1 from T > 1 apart (T > 1 and the context
+    length are marked dynamic up front: `_mark_dynamic`). The eager functions are the reference
+    twins (tests/test_compile.py, tests/test_gpu.py)."""
     c = _COMPILED.get(fn)
     if c is None:
-        import torch._dynamo
-
         cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, 64)  # layer kinds x T=1/T>1 x context buckets
+        cfg.recompile_limit = max(cfg.recompile_limit, 64)  # headroom: other models in the process, drafter kv_len
         c = _COMPILED[fn] = torch.compile(fn, dynamic=None)
     return c
 
