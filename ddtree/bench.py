@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from loguru import logger
 
+from ddtree import triton_gdn
 from ddtree.checkpoint import load_drafter, load_target, parse_devices, parse_dtype, resolve_model_dir
 from ddtree.config import DrafterConfig, TargetConfig
 from ddtree.errors import DDTreeError
@@ -485,6 +486,8 @@ def run_bench(
     meta = model_metadata(spec, opts, prompts=str(prompts), methods=meths, budgets=buds, warmup=warmup, limit=limit,
                           max_length=max_len, top1_first=top1_first)
     meta["compiled_layers"] = bool(dec.compile)  # torch.compile'd layers inside CUDA graphs (DDTREE_NO_COMPILE=1: eager)
+    # the fused GDN decode-step and commit kernels (ddtree.triton_gdn) ran
+    meta["triton_gdn"] = bool(dec.target.gdn_groups) and triton_gdn.available(dec.target.embed_tokens.weight)
     doc = make_run_document(meta, [{k: r[k] for k in ("method", "budget", "records", "speedup_vs_ar", "block_size")}
                                    for r in results])
     for run, r, (_, b) in zip(doc["runs"], results, plan):

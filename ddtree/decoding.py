@@ -154,22 +154,32 @@ class _Slot:
         pin = torch.device(dev).type == "cuda"
         self.host_ints = torch.zeros(3, T, dtype=torch.long, pin_memory=pin)
         self.host_mask = torch.zeros(T, T, dtype=torch.bool, pin_memory=pin)
+        self._ints_np, self._mask_np = self.host_ints.numpy(), self.host_mask.numpy()  # views: ~1 us writes
+        self._shape = (None, None)  # (parents, mask) tensors of the last tree loaded (held, so compared by identity)
 
     def load(self, tree: Tree):
         # The previous round's single sync has completed every copy from these host buffers.
-        torch.stack([tree.tokens, tree.depths, tree.parents], out=self.host_ints)
-        self.host_mask.copy_(tree.ancestor_mask)
+        self._ints_np[0] = tree.tokens.numpy()
+        if tree.parents is self._shape[0] and tree.ancestor_mask is self._shape[1]:
+            # same shape tensors (chains share theirs: Tree.chain): only the tokens go up
+            self.ints[:1].copy_(self.host_ints[:1], non_blocking=True)
+            return
+        self._ints_np[1] = tree.depths.numpy()
+        self._ints_np[2] = tree.parents.numpy()
+        self._mask_np[:] = tree.ancestor_mask.numpy()
         self.ints.copy_(self.host_ints, non_blocking=True)
         self.mask.copy_(self.host_mask, non_blocking=True)
+        self._shape = (tree.parents, tree.ancestor_mask)
 
 
 class Decoder:
     """Runs `ar`, `dflash` or `ddtree` on a loaded target (+ drafter).
 
     A round is three fixed-shape functions over static buffers: `_verify` (target forward, greedy
-    choice), `_commit` (walk, commit) and `_draft` (drafter, pack). On CUDA each is captured once per
-    (tree size, context bucket) as a CUDA graph and replayed; on CPU they run eagerly. The
-    committed length lives on the device (`start_d`) and is advanced in place.
+    choice), `_draft` (walk, drafter, pack for the host) and, after the round's one host sync,
+    `_commit` (the target's state; it runs on the GPU while the host builds the next tree). On
+    CUDA each is captured once per (tree size, context bucket) as a CUDA graph and replayed; on
+    CPU they run eagerly. The committed length lives on the device (`start_d`), advanced in place.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, max_len: int | None = None,
@@ -191,6 +201,8 @@ class Decoder:
         self._graphs: dict = {}
         self._outs: dict = {}
         self._vsteps: dict = {}  # verify key -> {device: GDNGroup.step of that verify}
+        self._walks: dict = {}  # P -> static walk buffers (see _walk_buf)
+        self.pipeline_ar = True  # ar: launch step r + 1 before reading step r (see _ar_rounds)
         if drafter is not None:
             target.tap_layers = list(drafter.cfg.target_layer_ids)
             drafter.attach(target.embed_tokens, target.lm_head)
@@ -229,24 +241,47 @@ class Decoder:
             slot.choice.copy_(logits.argmax(-1))
         return logits, tap
 
-    def _commit(self, slot: _Slot, P: int):
-        """Walk the verified tree and commit the accepted path. -> (path_nodes [P], n 0-dim, bonus 0-dim)."""
-        last, n_d, path_nodes = walk(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P)
-        self.target.commit(path_nodes, n_d, self.start_d)
-        return path_nodes, n_d, slot.choice.gather(0, last.view(1))[0]
+    def _walk_buf(self, P: int):
+        """Static (path_nodes [P], n 0-dim, bonus 0-dim) the walk writes and the commit reads."""
+        buf = self._walks.get(P)
+        if buf is None:
+            dev = self.target.device
+            buf = self._walks[P] = (torch.zeros(P, dtype=torch.long, device=dev),
+                                    torch.ones((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev))
+        return buf
 
-    def _draft(self, committed, taps, draft_kv: int, k: int, sp: SamplingParams):
-        """Drafter context += accepted rows; draft the next block; advance start_d.
+    def _walk(self, slot: _Slot, P: int):
+        """Accepted path of the verified tree in `slot`, into the static walk buffers.
+        -> (path_nodes [P], n 0-dim, bonus 0-dim)."""
+        last, n_d, path_nodes = walk(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P)
+        path, n, bonus = self._walk_buf(P)
+        path.copy_(path_nodes)
+        n.copy_(n_d)
+        bonus.copy_(slot.choice.gather(0, last.view(1))[0])
+        return path, n, bonus
+
+    def _commit(self, P: int):
+        """Commit the walked path into the target's state and advance start_d. Runs after the
+        round's host sync, so it overlaps the host's work on the next tree."""
+        path, n, _ = self._walk_buf(P)
+        self.target.commit(path, n, self.start_d)
+        self.start_d.add_(n)
+
+    def _draft(self, slot: _Slot, taps, P: int, draft_kv: int, k: int, sp: SamplingParams):
+        """Walk; drafter context += accepted rows; draft the next block (the target's commit comes
+        after the host sync). Without taps (ar): walk and commit.
 
         -> packed floats for the host: [n, bonus, path_nodes (P), topk logprobs (D*k), topk ids (D*k)].
         """
-        path_nodes, n_d, bonus = committed
+        path_nodes, n_d, bonus = self._walk(slot, P)
         parts = [n_d.view(1).float(), bonus.view(1).float(), path_nodes.float()]
-        if taps is not None:
+        if taps is None:  # ar: no drafter, so no host work to overlap: commit in this graph,
+            self._commit(P)
+            slot.tokens[:1].copy_(bonus.view(1))  # and the bonus is the next step's token, on the device
+        else:
             self.drafter.add_context(taps.index_select(0, path_nodes.to(taps.device)), n_d)
             lp, ids = self._draft_topk(bonus, draft_kv, k, sp)
             parts += [lp.flatten().to(bonus.device), ids.flatten().float().to(bonus.device)]
-        self.start_d.add_(n_d)
         return torch.cat(parts)
 
     def _run(self, key, fn):
@@ -427,6 +462,19 @@ class Decoder:
         rounds: list[RoundRecord] = []
         pending_times: list[list] = []
         t_dec = time.perf_counter()
+        if method == "ar" and self.pipeline_ar and not stopped:
+            self._ar_rounds(out, start, max_new_tokens, stop_ids, sampling, gen, on_tokens, clock, rounds, pending_times)
+            stopped = True  # done: skip the round loop below
+        backlog = None  # the last round's bookkeeping: done while the device runs the next round
+
+        def book(toks, tree, path, n, T, marks):
+            if on_tokens:
+                on_tokens(toks)
+            ranks = tree.ranks.tolist()
+            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=max(tree.depths.tolist()), accepted=n - 1,
+                                      accepted_ranks=[ranks[i] for i in path[1:]], committed=len(toks), times_ms={}))
+            pending_times.append(marks)
+
         while len(out) < max_new_tokens and not stopped:
             # ---------------- tree (host) and upload into the static slot
             h0 = time.perf_counter()
@@ -442,20 +490,25 @@ class Decoder:
             draft_kv = min(_bucket(start + P, self.bucket), self.max_len)
             # ---------------- verify (+ greedy choice)
             e0 = clock.now()
-            logits, taps = self._run(("verify", T, kv_len, sampling.greedy, taps_on),  # = vkey
-                                     lambda: self._verify(slot, kv_len, sampling.greedy, taps_on))
+            vkey = ("verify", T, kv_len, sampling.greedy, taps_on)
+            logits, taps = self._run(vkey, lambda: self._verify(slot, kv_len, sampling.greedy, taps_on))
             if not sampling.greedy:
                 slot.choice.copy_(choose(logits, sampling, gen))
             e1 = clock.now()
-            # ---------------- walk and commit (graph keys chain: they read the verify graph's buffers)
-            vkey = ("verify", T, kv_len, sampling.greedy, taps_on)
-            committed = self._run(("commit", vkey, P), lambda: self._commit(slot, P))
-            e2 = clock.now()
-            # ---------------- draft the next block
+            # ---------------- walk and draft the next block (graph keys chain: they read the verify's buffers)
             packed = self._run(("draft", vkey, P, draft_kv, k, sampling),
-                               lambda: self._draft(committed, taps, draft_kv, k, sampling))
-            e3 = clock.now()
+                               lambda: self._draft(slot, taps, P, draft_kv, k, sampling))
+            e2 = clock.now()
+            if backlog is not None:  # the device is busy: the host catches up on the last round
+                book(*backlog)
+            w0 = time.perf_counter()
             host = packed.cpu().numpy()  # the round's one device-to-host sync; host work below is numpy/lists
+            wait_s = time.perf_counter() - w0
+            # ---------------- commit: queued now, it runs on the device while the host builds the next tree
+            e3 = clock.now()
+            if taps_on:
+                self._run(("commit", vkey, P), lambda: self._commit(P))
+            e4 = clock.now()
             n, bonus = int(host[0]), int(host[1])
             if chooser is not None:
                 chooser.update(T - 1, predicted, n - 1, (time.perf_counter() - h0) * 1e3)
@@ -465,7 +518,7 @@ class Decoder:
                 draft = _Draft(bonus, host[o : o + D * k].reshape(D, k), host[o + D * k :].reshape(D, k).astype(np.int64))
             start += n
             # ---------------- emit: accepted draft tokens, then the new bonus
-            tree_tokens, tree_ranks = tree.tokens.tolist(), tree.ranks.tolist()
+            tree_tokens = tree.tokens.tolist()
             toks = [tree_tokens[i] for i in path[1:]] + [bonus]
             toks = toks[: max_new_tokens - len(out)]
             for i, t in enumerate(toks):
@@ -473,12 +526,11 @@ class Decoder:
                     toks, stopped = toks[: i + 1], True
                     break
             out.extend(toks)
-            if on_tokens:
-                on_tokens(toks)
-            ranks = [tree_ranks[i] for i in path[1:]]
-            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=max(tree.depths.tolist()), accepted=n - 1,
-                                      accepted_ranks=ranks, committed=len(toks), times_ms={}))
-            pending_times.append([("tree", host_tree_ms), ("verify", e0, e1), ("commit", e1, e2), ("draft", e2, e3)])
+            marks = [("tree", host_tree_ms), ("verify", e0, e1), ("draft", e1, e2)] + ([("commit", e3, e4)] if taps_on else [])
+            # host: the round's wall time minus the wait in the sync (what the device may idle on)
+            backlog = (toks, tree, path, n, T, marks + [("host", (time.perf_counter() - h0 - wait_s) * 1e3)])
+        if backlog is not None:
+            book(*backlog)
         sync(dev)
         decode_s = time.perf_counter() - t_dec
         self._fill_times(clock, rounds, pending_times)
@@ -487,6 +539,51 @@ class Decoder:
             text=decode_text(out) if decode_text else "", prefill_s=ttft, decode_s=decode_s, ttft_s=ttft,
             method=method, budget=(budget if not auto else None) if method == "ddtree" else None, rounds=rounds,
         )
+
+    def _ar_rounds(self, out, start, max_new_tokens, stop_ids, sampling, gen, on_tokens, clock, rounds, pending_times):
+        """Autoregressive steps launched one ahead: the step's own graph writes the chosen token into
+        the next step's input on the device, so step r + 1 is queued before the host reads step r
+        (through a pinned buffer and an event: still one device-to-host sync per step). The host's
+        work then overlaps the device's instead of adding to it. Same kernels as the round loop."""
+        slot = self._slot(1)
+        slot.load(Tree.chain(torch.tensor([out[-1]])))
+        host_bufs = [torch.zeros(3, pin_memory=self.target.device.type == "cuda") for _ in range(2)]
+        events = [torch.cuda.Event() if self.target.device.type == "cuda" else None for _ in range(2)]
+        steps = max_new_tokens - len(out)  # each step adds one token
+
+        def launch(r: int):
+            kv_len = min(_bucket(start + r + 1, self.bucket), self.max_len)
+            e0 = clock.now()
+            vkey = ("verify", 1, kv_len, sampling.greedy, False)
+            logits, _ = self._run(vkey, lambda: self._verify(slot, kv_len, sampling.greedy, False))
+            if not sampling.greedy:
+                slot.choice.copy_(choose(logits, sampling, gen))
+            e1 = clock.now()
+            packed = self._run(("draft", vkey, 1, kv_len, 1, sampling), lambda: self._draft(slot, None, 1, kv_len, 1, sampling))
+            e2 = clock.now()
+            host_bufs[r % 2].copy_(packed, non_blocking=True)
+            if events[r % 2] is not None:
+                events[r % 2].record()
+            return [("verify", e0, e1), ("draft", e1, e2)]
+
+        marks = launch(0) if steps > 0 else None
+        for r in range(steps):
+            h0 = time.perf_counter()
+            nxt = launch(r + 1) if r + 1 < steps else None  # queued behind step r
+            w0 = time.perf_counter()
+            if events[r % 2] is not None:
+                events[r % 2].synchronize()  # the step's one device-to-host sync
+            wait_s = time.perf_counter() - w0
+            tok = int(host_bufs[r % 2][1])
+            stopped = tok in stop_ids
+            out.append(tok)
+            if on_tokens:
+                on_tokens([tok])
+            rounds.append(RoundRecord(tree_size=0, tree_depth=0, accepted=0, accepted_ranks=[], committed=1, times_ms={}))
+            pending_times.append(marks + [("host", (time.perf_counter() - h0 - wait_s) * 1e3)])
+            marks = nxt
+            if stopped:
+                break
 
     @staticmethod
     def _fill_times(clock: StageClock, rounds, pending):

@@ -25,7 +25,7 @@ import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddtree import gdn
+from ddtree import gdn, triton_gdn
 from ddtree.config import TargetConfig
 
 
@@ -235,6 +235,9 @@ class GatedDeltaNet(nn.Module):
         # No Python side effects and no per-layer ints here: the same compiled code serves every
         # GDN layer (ddtree.target.compiled_layer). What a commit needs is in the group's scratch.
         T = x.shape[0]
+        if T == 1 and not s.chain and triton_gdn.available(x):  # decode step: one fused kernel
+            proj = F.linear(x, fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+            return self.out_proj(triton_gdn.gdn_step(self, proj.view(-1)).view(1, -1))
         q, k, v, g, beta, z, ext = self.qkvgb(x, s)
         if s.chain:  # prefill chunk (fla's kernel on GPU when usable): the commit takes the final state
             o, final = gdn.chain_final(q, k, v, g, beta, self.rec_state, s.path_mask)
@@ -296,10 +299,13 @@ class GDNGroup:
     def ext(self, T: int):
         return self.ebuf[:, : self.hist + T]
 
-    def commit(self, last: torch.Tensor):
+    def commit(self, last: torch.Tensor, path_nodes: torch.Tensor, n_nodes: torch.Tensor):
+        """State after tree node `last` = path_nodes[n_nodes - 1] (0-dim / [P] / 0-dim, on the device)."""
         T, window, path_mask, chain = self.step
         if chain:  # a prefill chunk is committed whole: its final state is the state
             self.state.copy_(self.final_states)
+        elif triton_gdn.available(self.state):  # one read and write of the state, path rows only
+            triton_gdn.gdn_commit_(self.state, *self.wy(T), path_nodes, n_nodes)
         else:
             K, U, C = self.wy(T)
             gdn.commit_states_(self.state, K, U, C, last, path_mask)
@@ -552,9 +558,9 @@ class TargetModel(nn.Module):
         """
         last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
         for dev in dict.fromkeys(self.layer_devices):
-            p, l_, s0 = (t.to(dev, non_blocking=True) for t in (path_nodes, last, start))
+            p, l_, s0, n_ = (t.to(dev, non_blocking=True) for t in (path_nodes, last, start, n_nodes))
             if dev in self.gdn_groups:
-                self.gdn_groups[dev].commit(l_)
+                self.gdn_groups[dev].commit(l_, p, n_)
             if dev in self.kv_stacks:
                 src = s0 + p
                 dst = s0 + torch.arange(p.shape[0], device=dev)

@@ -178,9 +178,18 @@ def hf_reference(model, raw_cfg: dict):
 
 
 def _torch_gdn_paths(hf) -> None:
+    """Point transformers' model at its pure-torch GDN functions. Two routes lead to fla: module
+    attributes set at construction (use_kernelized_func) and the module-level functions themselves,
+    which `use_kernel_func_from_hub_with_fallback` wraps to call fla when it is importable; the
+    forward calls those globals by name, so they are replaced by the torch functions they wrap
+    (functools.wraps keeps them as __wrapped__). Test processes only."""
     import importlib
+    import inspect
 
     mod = importlib.import_module(type(hf).__module__)
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"):
+        if hasattr(mod, name):
+            setattr(mod, name, inspect.unwrap(getattr(mod, name)))
     torch_fns = {"chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
                  "recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
                  "causal_conv1d_update": "torch_causal_conv1d_update"}

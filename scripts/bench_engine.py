@@ -83,27 +83,31 @@ def time_verify(dec: Decoder, T: int, start: int, taps: bool = True):
 
 
 def time_commit_draft(dec: Decoder, key, slot, start: int, P: int, k: int):
+    """Replay times of the draft graph (walk + drafter; None without a drafter: then the walk
+    alone) and of the commit graph after the verify `key`, state restored after each replay."""
     from ddtree.sampling import SamplingParams
 
     sp = SamplingParams()
     snap = dec._snapshot()
+    _, _, _, _, taps_on = key
+    dkv = _bucket(start + P, dec.bucket)
+    taps = dec._outs[key][1] if dec.drafter is not None else None
+    dkey = ("draft", key, P, dkv, k, sp)
+    dec._run(dkey, lambda: dec._draft(slot, taps, P, dkv, k, sp))
+
+    def draft_once():
+        dec._graphs[dkey].replay()
+        dec.drafter is not None and dec.drafter.ctx_len.fill_(start)  # keep the context length fixed
+
+    draft_ms = event_time(draft_once) if dec.drafter is not None else None
     ckey = ("commit", key, P)
-    committed = dec._run(ckey, lambda: dec._commit(slot, P))
-    commit_ms = event_time(lambda: dec._graphs[ckey].replay())
-    draft_ms = None
-    if dec.drafter is not None:
-        _, _, _, _, taps_on = key
-        dkv = _bucket(start + P, dec.bucket)
-        logits_taps = dec._outs[key]
-        dkey = ("draft", key, P, dkv, k, sp)
-        dec._run(dkey, lambda: dec._draft(committed, logits_taps[1], dkv, k, sp))
+    dec._run(ckey, lambda: dec._commit(P))
 
-        def once():
-            dec._graphs[dkey].replay()
-            dec.start_d.fill_(start)  # keep the context length fixed across replays
-            dec.drafter.ctx_len.fill_(start)
+    def commit_once():
+        dec._graphs[ckey].replay()
+        dec.start_d.fill_(start)
 
-        draft_ms = event_time(once)
+    commit_ms = event_time(commit_once)
     dec._restore(snap)
     return commit_ms, draft_ms
 
@@ -185,6 +189,8 @@ def bench_preset(name: str, devices: list[str], contexts: list[int], budgets: li
         r["bytes_per_token"] = bytes_tok
         r["ar_achieved_GBps"] = bytes_tok / (ms_step * 1e-3) / 1e9
         r["ar_prefill_s"] = rec.prefill_s
+        r["ar_stages_ms"] = {st: statistics.mean(x.times_ms.get(st, 0.0) for x in rec.rounds[1:])
+                             for st in ("tree", "verify", "draft", "host")}  # draft = walk + commit + pack here
         # --- verify / commit / draft per tree size (graph replays, state fixed)
         dec.generate(prompt, "ar", max_new_tokens=2)  # committed prefix of ctx (+1) tokens
         start = ctx + 1
@@ -204,7 +210,7 @@ def bench_preset(name: str, devices: list[str], contexts: list[int], budgets: li
             dec.generate(prompt, method, budget=b, max_new_tokens=gen_tokens // 2)
             rec = dec.generate(prompt, method, budget=b, max_new_tokens=gen_tokens // 2)
             n = len(rec.rounds)
-            st = {s: statistics.mean(x.times_ms.get(s, 0.0) for x in rec.rounds) for s in ("tree", "verify", "commit", "draft")}
+            st = {s: statistics.mean(x.times_ms.get(s, 0.0) for x in rec.rounds) for s in ("tree", "verify", "commit", "draft", "host")}
             round_ms = rec.decode_s * 1e3 / n
             rounds[f"{method}:{b}"] = {
                 "round_ms": round_ms, **{f"{s}_ms": v for s, v in st.items()},
@@ -223,12 +229,12 @@ def bench_preset(name: str, devices: list[str], contexts: list[int], budgets: li
     return res
 
 
-def codepair_bench(d: Path, device: str, limit: int, out: str) -> dict:
+def codepair_bench(d: Path, device: str, limit: int, out: str, budgets: str = "8,16,32,64,auto") -> dict:
     """`ddtree bench` on the real trained pair: tok/s per method, each as a ratio to ar in this run."""
     from ddtree.bench import run_bench
 
     doc = run_bench(str(d / "target"), str(d / "drafter"), prompts=str(d / "prompts.jsonl"), raw=True,
-                    budgets="8,16,32,64,auto", devices=device, limit=limit, max_new_tokens=192, progress=False,
+                    budgets=budgets, devices=device, limit=limit, max_new_tokens=192, progress=False,
                     out=str(Path(out).with_name(Path(out).stem + "-codepair.json")))
     res = {}
     for run in doc["runs"]:
@@ -254,6 +260,7 @@ def main():
     ap.add_argument("--codepair", type=Path, default=None,
                     help="codepair fixture dir (target/, drafter/, prompts.jsonl): real-acceptance bench")
     ap.add_argument("--codepair-limit", type=int, default=8, help="prompts of the codepair bench")
+    ap.add_argument("--codepair-budgets", default="8,16,32,64,auto", help="ddtree budgets of the codepair bench")
     ap.add_argument("--out", default="results/engine.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -269,7 +276,7 @@ def main():
     if a.dense:
         out["dense"] = bench_preset("qwen3-8b", a.devices.split(",")[:1], [512], [32], [1, 33], a.hf, a.gen_tokens)
     if a.codepair is not None:
-        out["codepair"] = codepair_bench(a.codepair, a.devices.split(",")[0], a.codepair_limit, a.out)
+        out["codepair"] = codepair_bench(a.codepair, a.devices.split(",")[0], a.codepair_limit, a.out, a.codepair_budgets)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     report(out)  # also adds out["targets"]
     Path(a.out).write_text(json.dumps(out, indent=2, default=str))
@@ -293,14 +300,18 @@ def report(out: dict):
                   f"({100 * r['ar_tok_s'] / roof:.0f}% of roofline {roof:.1f}); achieved {r['ar_achieved_GBps']:.0f} GB/s"
                   + (f"; transformers {r['hf_ms_per_token']:.1f} ms/tok -> {r['ar_speedup_vs_hf']:.1f}x"
                      if r.get("hf_ms_per_token") else ""))
+            if "ar_stages_ms" in r:
+                a = r["ar_stages_ms"]
+                print(f"  AR step: verify {a['verify']:.2f}, walk+commit {a['draft']:.2f}, host {a['host']:.2f} ms "
+                      f"(host tree {a['tree']:.2f})")
             print("     N     verify ms  x step   commit ms  draft ms")
             for T, ms in r["verify_ms"].items():
                 print(f"  {T:5d}  {ms:10.2f}  {r['verify_over_step'][T]:6.2f}  {r['commit_ms'][T]:9.3f}  "
                       f"{(r['draft_ms'][T] or 0):8.2f}")
-            print("     round           round ms  tree  verify  commit  draft  overhead")
+            print("     round           round ms  tree  verify  commit  draft  host  overhead")
             for m, x in r["rounds"].items():
                 print(f"  {m:16s} {x['round_ms']:8.2f} {x['tree_ms']:5.2f} {x['verify_ms']:7.2f} {x['commit_ms']:7.2f} "
-                      f"{x['draft_ms']:6.2f} {x['overhead_ms']:8.2f}")
+                      f"{x['draft_ms']:6.2f} {x.get('host_ms', 0):5.2f} {x['overhead_ms']:8.2f}")
     if "codepair" in out:
         print("-- codepair (real trained pair, bf16, greedy)")
         for k, x in out["codepair"].items():

@@ -9,6 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels (ddtree.triton_gdn) run under Triton's interpreter on CPU tensors;
+# the interpreter must be chosen before triton is first imported (its own library functions are
+# decorated at import). With a GPU the kernels are compiled and tested on it.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 # ../shared/fixtures/codepair, or DDTREE_FIXTURE (e.g. a copy carried to the GPU machine)

@@ -415,3 +415,28 @@ def test_sampling_is_reproducible_with_a_seed(hybrid0):
         b = hybrid0.generate(prompt, method, budget=8, sampling=sp, max_new_tokens=20, seed=11)
         assert a.token_ids == b.token_ids and a.new_tokens == 20
         _check_records(a, method, hybrid0.block_size, 8)
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_ar_launch_ahead_equals_round_loop(kind, monkeypatch):
+    """`ar` queues step r + 1 before reading step r (Decoder._ar_rounds); its reference twin is the
+    round loop the other methods use (pipeline_ar=False): same tokens, greedy and sampled with a
+    seed, with a stop token mid-way and at every max_new_tokens."""
+    from ddtree.sampling import SamplingParams
+
+    dec, _ = build_random_pair(kind, 5)
+    prompt = _prompt(4, 9)
+    runs = {}
+    for ahead in (True, False):
+        dec.pipeline_ar = ahead
+        greedy = dec.generate(prompt, "ar", max_new_tokens=30)
+        sampled = dec.generate(prompt, "ar", sampling=SamplingParams(temperature=1.0), max_new_tokens=30, seed=3)
+        i, stop = _first_new_token_at(greedy.token_ids, 12)
+        chunks = []
+        stopped = dec.generate(prompt, "ar", max_new_tokens=30, stop_ids={stop}, on_tokens=chunks.append)
+        assert stopped.token_ids == greedy.token_ids[: i + 1] and [t for c in chunks for t in c] == stopped.token_ids
+        short = [dec.generate(prompt, "ar", max_new_tokens=n).token_ids for n in (1, 2, 3)]
+        _check_records(greedy, "ar", 1)
+        runs[ahead] = (greedy.token_ids, sampled.token_ids, stopped.token_ids, short, len(greedy.rounds))
+    dec.pipeline_ar = True
+    assert runs[True] == runs[False]

@@ -42,8 +42,9 @@ def test_round_pieces_repeat_exactly_around_snapshot_restore():
     dec._verify(slot, kv, True, True)
     slot.choice.copy_(torch.tensor([12, 0, 0, 15, 0, 0, 0]))  # root picks 12 (node 3), node 3 picks 15 (node 6)
     P = 4
-    once = dec._commit(slot, P)
+    once = dec._walk(slot, P)
     assert once[0].tolist() == [0, 3, 6, 6] and int(once[1]) == 3
+    dec._commit(P)
     ref = _state(dec, start + 8)
     # reference done; now redo from scratch: verify, snapshot, commit, restore, commit
     dec2, _ = build_random_pair("hybrid", seed=4)
@@ -52,10 +53,11 @@ def test_round_pieces_repeat_exactly_around_snapshot_restore():
     slot2.load(tree)
     dec2._verify(slot2, kv, True, True)
     slot2.choice.copy_(torch.tensor([12, 0, 0, 15, 0, 0, 0]))
+    dec2._walk(slot2, P)
     snap = dec2._snapshot()
-    dec2._commit(slot2, P)
+    dec2._commit(P)
     dec2._restore(snap)
-    dec2._commit(slot2, P)
+    dec2._commit(P)
     for a, b in zip(ref, _state(dec2, start + 8)):
         assert torch.equal(a, b)
 
@@ -69,12 +71,11 @@ def test_draft_piece_repeats_exactly():
     slot.load(tree)
     kv = _bucket(start + 3, dec.bucket)
     _, taps = dec._verify(slot, kv, True, True)
-    committed = dec._commit(slot, dec.block_size)
     snap = dec._snapshot()
     sp = SamplingParams()
-    a = dec._draft(committed, taps, kv, 4, sp).clone()
+    a = dec._draft(slot, taps, dec.block_size, kv, 4, sp).clone()
     dec._restore(snap)
-    b = dec._draft(committed, taps, kv, 4, sp)
+    b = dec._draft(slot, taps, dec.block_size, kv, 4, sp)
     assert torch.equal(a, b)
 
 
@@ -102,8 +103,9 @@ def test_commit_uses_its_own_verify_step_under_replay_order():
     snap = dec._snapshot()
     dec._run(key_a, lambda: dec._verify(slot_a, kv, True, False))
     choose_a()
-    path, n, _ = dec._run(("commit", key_a, P), lambda: dec._commit(slot_a, P))
+    path, n, _ = dec._walk(slot_a, P)
     assert path[:4].tolist() == [0, 1, 7, 8] and int(n) == 4
+    dec._run(("commit", key_a, P), lambda: dec._commit(P))
     ref = _state(dec, start + 10)
     dec._restore(snap)
     dec._run(key_a, lambda: dec._verify(slot_a, kv, True, False))  # "capture" of a
@@ -114,6 +116,7 @@ def test_commit_uses_its_own_verify_step_under_replay_order():
     for g, st in zip(groups, step_b):
         g.step = st  # ... so the groups still hold b's step
     choose_a()
-    dec._run(("commit", key_a, P), lambda: dec._commit(slot_a, P))
+    dec._walk(slot_a, P)
+    dec._run(("commit", key_a, P), lambda: dec._commit(P))
     for a, b in zip(ref, _state(dec, start + 10)):
         assert torch.equal(a, b)

@@ -1,0 +1,205 @@
+"""Triton kernels for the two hot GDN pieces of a decode step, each with a torch twin.
+
+* `gdn_step`: one new token through a GDN layer's mixer, between its two projections: the
+  short convolution over [conv_state; new row] with SiLU, q/k l2 norms, gates, the recurrence
+  read against the state (o = e^g S0^T q + (q.k) U), and the gated RMSNorm. The torch path is
+  ~8 kernels and an fp32 batched GEMM per layer; this is one kernel, one program per value head.
+  It writes what a commit needs into the group's scratch (k, U, c and the conv rows), exactly as
+  `gdn.tree_wy` does for a one-node tree. Twin: `GatedDeltaNet.forward` on the torch path.
+* `gdn_commit`: the state pass of a commit, in place and batched over layers: S <- e^{c_a} S +
+  sum over the accepted path of e^{c_a - c_j} k_j U_j^T. The state (151 MB for Qwen3.6-27B) is
+  read and written once; only the path's rows of k and U are read. Twin: `gdn.commit_states_`.
+
+Used on CUDA when triton imports (DDTREE_NO_TRITON=1 turns them off). On CPU tensors the same
+kernels run under Triton's interpreter (TRITON_INTERPRET=1 before triton's import, as
+tests/conftest.py sets it on machines without a GPU): that is how the tests compare them with
+their twins without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # triton is optional: the torch paths are complete
+    triton = tl = None
+
+
+# Read once at import, not per call: the check runs inside compiled layers.
+ENABLED = triton is not None and os.environ.get("DDTREE_NO_TRITON") != "1"
+INTERPRET_ON_CPU = False  # tests set it: the model's CPU forward and commit then take these kernels too
+
+
+def available(t: torch.Tensor) -> bool:
+    """Fast path for tensors on this device? (CUDA, triton importable, not turned off)."""
+    return ENABLED and (t.is_cuda or INTERPRET_ON_CPU)
+
+
+_JIT: dict = {}  # (kernel, interpret) -> jitted; the CUDA ones are made at import (see the end)
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernel(fn, interpret: bool):
+    """The jitted kernel for a CUDA launch, or the interpreted one for CPU tensors."""
+    key = (fn.__name__, interpret)
+    if key not in _JIT:
+        if interpret:
+            if not interpreter_on():
+                raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _JIT[key] = InterpretedFunction(fn)
+        else:
+            _JIT[key] = triton.jit(fn)
+    return _JIT[key]
+
+
+# ----------------------------------------------------------------------------- one-token step
+def _gdn_step_kernel(
+    proj, conv_state, conv_w, neg_a, dt_bias, S0, norm_w, out, ext, kbuf, ubuf, cbuf,
+    C, HV, REP, eps_norm,
+    s_kh, s_uh, s_ch,  # head strides of the k / U / c scratch views
+    KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HIST: tl.constexpr,
+):
+    h = tl.program_id(0)  # value head
+    kh = h // REP  # its key head
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    mk, mv = ok < DK, ov < DV
+    f32 = tl.float32
+    dt = out.dtype.element_ty  # the model dtype: its roundings are spelt out (rtne, as torch rounds)
+    cq = kh * DK + ok  # channels of q, k, v in the conv input
+    ck = KD + kh * DK + ok
+    cv = 2 * KD + h * DV + ov
+    # short conv over the last HIST committed rows and the new one, then SiLU, rounded to the model
+    # dtype as the torch path rounds it; the rows also go to ext for the commit's conv update.
+    wq = tl.load(conv_w + HIST * C + cq, mask=mk, other=0.0)
+    wk = tl.load(conv_w + HIST * C + ck, mask=mk, other=0.0)
+    wv = tl.load(conv_w + HIST * C + cv, mask=mv, other=0.0)
+    xq = tl.load(proj + cq, mask=mk, other=0.0)
+    xk = tl.load(proj + ck, mask=mk, other=0.0)
+    xv = tl.load(proj + cv, mask=mv, other=0.0)
+    own_qk = mk & (h % REP == 0)  # one of the REP value heads writes the shared q/k channels
+    tl.store(ext + HIST * C + cq, xq, mask=own_qk)
+    tl.store(ext + HIST * C + ck, xk, mask=own_qk)
+    tl.store(ext + HIST * C + cv, xv, mask=mv)
+    aq = wq * xq.to(f32)
+    ak = wk * xk.to(f32)
+    av = wv * xv.to(f32)
+    for r in tl.static_range(HIST):
+        rq = tl.load(conv_state + r * C + cq, mask=mk, other=0.0)
+        rk = tl.load(conv_state + r * C + ck, mask=mk, other=0.0)
+        rv = tl.load(conv_state + r * C + cv, mask=mv, other=0.0)
+        tl.store(ext + r * C + cq, rq, mask=own_qk)
+        tl.store(ext + r * C + ck, rk, mask=own_qk)
+        tl.store(ext + r * C + cv, rv, mask=mv)
+        aq += tl.load(conv_w + r * C + cq, mask=mk, other=0.0) * rq.to(f32)
+        ak += tl.load(conv_w + r * C + ck, mask=mk, other=0.0) * rk.to(f32)
+        av += tl.load(conv_w + r * C + cv, mask=mv, other=0.0) * rv.to(f32)
+    q = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
+    k = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
+    v = (av / (1.0 + tl.exp(-av))).to(dt, fp_downcast_rounding="rtne").to(f32)
+    # l2 norms (q also scaled by DK^-0.5) and gates
+    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    zb = C + HV * DV
+    b = tl.load(proj + zb + h).to(f32)
+    a = tl.load(proj + zb + HV + h).to(f32) + tl.load(dt_bias + h).to(f32)
+    g = tl.load(neg_a + h) * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # softplus, threshold 20
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    # against the state: one [DK, DV] fp32 tile per head
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    kS = tl.sum(k[:, None] * S, 0)  # [BV]
+    qS = tl.sum(q[:, None] * S, 0)
+    ec = tl.exp(g)
+    U = beta * (v - ec * kS)
+    o = ec * qS + tl.sum(q * k, 0) * U
+    tl.store(kbuf + h * s_kh + ok, k, mask=mk)
+    tl.store(ubuf + h * s_uh + ov, U, mask=mv)
+    tl.store(cbuf + h * s_ch, g)
+    # gated RMSNorm: w * norm(o) * silu(z), with the torch path's roundings to the model dtype
+    o = tl.where(mv, o.to(dt, fp_downcast_rounding="rtne").to(f32), 0.0)
+    xn = (o / tl.sqrt(tl.sum(o * o, 0) / DV + eps_norm)).to(dt, fp_downcast_rounding="rtne").to(f32)
+    wxn = (tl.load(norm_w + ov, mask=mv, other=0.0).to(f32) * xn).to(dt, fp_downcast_rounding="rtne").to(f32)
+    z = tl.load(proj + C + h * DV + ov, mask=mv, other=0.0).to(f32)
+    tl.store(out + h * DV + ov, (wxn * (z / (1.0 + tl.exp(-z)))).to(dt, fp_downcast_rounding="rtne"), mask=mv)
+
+
+def gdn_step(layer, proj: torch.Tensor) -> torch.Tensor:
+    """One token through GDN layer `layer`'s mixer (see the module docstring).
+
+    proj: [N] the fused input projection's row (qkv [C], z [hv*dv], b [hv], a [hv]) in the model
+    dtype. Writes ext rows 0..width-1 and the layer's k/U/c scratch at node 0. -> [hv*dv]."""
+    hv, dk, dv, C = layer.hv, layer.dk, layer.dv, layer.conv_dim
+    w, neg_a = layer._consts()
+    out = torch.empty(hv * dv, dtype=proj.dtype, device=proj.device)
+    kb, ub, cb = layer.wy_bufs  # [hv, cap, dk], [hv, cap, dv], [hv, cap]
+    kern = _kernel(_gdn_step_kernel, interpret=not proj.is_cuda)
+    kern[(hv,)](
+        proj, layer.conv_state, w, neg_a, layer.dt_bias, layer.rec_state, layer.norm.weight, out,
+        layer.ext_buf, kb, ub, cb,
+        C, hv, hv // layer.hk, layer.norm.eps,
+        kb.stride(0), ub.stride(0), cb.stride(0),
+        KD=layer.hk * dk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
+        HIST=layer.width - 1, num_warps=8 if dk * dv >= 8192 else 4,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- commit state pass
+def _gdn_commit_kernel(
+    S, kbuf, ubuf, cbuf, path, n_nodes,
+    s_kh, s_kt, s_uh, s_ut, s_ch,  # strides (per layer*head row, per node) of the scratch
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, P: tl.constexpr,
+):
+    lh = tl.program_id(0)  # layer * H + head (the scratch's first two dims are flattened)
+    vb = tl.program_id(1)
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    mk, mv = ok < DK, ov < DV
+    n = tl.load(n_nodes)
+    last = tl.load(path + n - 1)
+    c_a = tl.load(cbuf + lh * s_ch + last)
+    ptr = S + lh * DK * DV + ok[:, None] * DV + ov[None, :]
+    m2 = mk[:, None] & mv[None, :]
+    acc = tl.load(ptr, mask=m2, other=0.0) * tl.exp(c_a)
+    for i in tl.static_range(P):  # the path buffer's length (a block); nodes past n are padding
+        on = i < n
+        j = tl.load(path + i)
+        w = tl.where(on, tl.exp(c_a - tl.load(cbuf + lh * s_ch + j)), 0.0)
+        kj = tl.load(kbuf + lh * s_kh + j * s_kt + ok, mask=mk & on, other=0.0)
+        uj = tl.load(ubuf + lh * s_uh + j * s_ut + ov, mask=mv & on, other=0.0)
+        acc += (w * kj)[:, None] * uj[None, :]
+    tl.store(ptr, acc, mask=m2)
+
+
+def gdn_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, c: torch.Tensor,
+                path_nodes: torch.Tensor, n_nodes: torch.Tensor) -> torch.Tensor:
+    """In place: S [L, H, dk, dv] fp32 becomes the state after the path path_nodes[:n_nodes]
+    (root first, 0-dim n_nodes on the device) of the last tree. k [L, H, T, dk], U [L, H, T, dv],
+    c [L, H, T]: the scratch views tree_wy / gdn_step wrote (any strides along L, H and T)."""
+    L, H, dk, dv = S.shape
+    assert S.is_contiguous()
+    for t in (k, U, c):  # layer and head must flatten into one stride
+        assert t.stride(0) == t.shape[1] * t.stride(1)
+    BV = min(64, triton.next_power_of_2(dv))
+    kern = _kernel(_gdn_commit_kernel, interpret=not S.is_cuda)
+    kern[(L * H, triton.cdiv(dv, BV))](
+        S, k, U, c, path_nodes, n_nodes,
+        k.stride(1), k.stride(2), U.stride(1), U.stride(2), c.stride(1),
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BV, P=path_nodes.shape[0], num_warps=4,
+    )
+    return S
+
+
+if triton is not None:  # made here, so that a compiled layer only looks them up
+    for _fn in (_gdn_step_kernel, _gdn_commit_kernel):
+        _kernel(_fn, interpret=False)

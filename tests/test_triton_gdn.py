@@ -1,0 +1,141 @@
+"""The Triton GDN kernels (ddtree.triton_gdn) against their torch twins: compiled on a GPU, and on
+machines without one under Triton's interpreter on CPU tensors (the same kernel source; the
+interpreter is switched on by tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton not installed (pip install triton): its interpreter runs these on CPU")
+
+from ddtree import gdn, triton_gdn  # noqa: E402
+from ddtree.testing import build_random_pair, build_random_target, tiny_hybrid_config  # noqa: E402
+from ddtree.tree import ancestor_mask_from_parents  # noqa: E402
+from tests.helpers_model import MaxErrors, assert_rel, rel_err, tiny_cpu_each_test  # noqa: E402,F401
+
+DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+if DEV.type == "cpu" and not triton_gdn.interpreter_on():
+    pytest.skip("TRITON_INTERPRET=1 was not set before triton's import (tests/conftest.py sets it without a GPU)",
+                allow_module_level=True)
+ERR = MaxErrors()
+
+# tiny: non-power-of-two dv (masked lanes), 2 value heads per key head; wide: the 27B layout
+# (3 value heads per key head, power-of-two dims).
+CONFIGS = {
+    "tiny": dict(),
+    "wide": dict(hidden=96, gdn_k_heads=2, gdn_v_heads=6, gdn_k_dim=32, gdn_v_dim=32),
+}
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setattr(triton_gdn, "ENABLED", True)
+    monkeypatch.setattr(triton_gdn, "INTERPRET_ON_CPU", True)
+
+
+def _one_node_step(model, start: int):
+    z = torch.zeros(1, dtype=torch.long, device=DEV)
+    return model.make_step(z + start, torch.ones(1, 1, dtype=torch.bool, device=DEV), z - 1,
+                           torch.tensor(start, device=DEV), start + 1, DEV)
+
+
+def _random_inputs(model, trial: int):
+    g = torch.Generator().manual_seed(trial)
+    group = next(iter(model.gdn_groups.values()))
+    return (torch.randn(group.state.shape, generator=g) * 0.5, torch.randn(group.conv.shape, generator=g),
+            torch.randn(1, model.cfg.hidden_size, generator=g))
+
+
+def _run_step(model, inputs, fast: bool, monkeypatch):
+    """One decode token through layer 0's GDN mixer, torch path or kernel.
+    -> (output, k, U, c scratch at node 0, ext rows)."""
+    state, conv, x = inputs
+    group = next(iter(model.gdn_groups.values()))
+    group.state.copy_(state)
+    group.conv.copy_(conv.to(model.dtype))
+    for b in (group.kbuf, group.ubuf, group.cbuf, group.ebuf):
+        b.fill_(float("nan"))  # what is not written shows up
+    monkeypatch.setattr(triton_gdn, "ENABLED", fast)
+    monkeypatch.setattr(triton_gdn, "INTERPRET_ON_CPU", fast)
+    layer = model.layers[0].linear_attn
+    o = layer(x.to(DEV, model.dtype), _one_node_step(model, 7))
+    kb, ub, cb = (t[:, :1].clone() for t in layer.wy_bufs)
+    return o, kb, ub, cb, layer.ext_buf[: layer.width].clone()
+
+
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+def test_step_kernel_matches_torch_path(monkeypatch, cfg):
+    """float32: output, the commit scratch (k, U, c) and the conv rows equal the torch path's."""
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=4, device=DEV)
+    for trial in range(3):
+        inputs = _random_inputs(model, trial)
+        ref = _run_step(model, inputs, False, monkeypatch)
+        got = _run_step(model, inputs, True, monkeypatch)
+        for name, a, b in zip(("out", "k", "U", "c", "ext"), got, ref):
+            assert not a.isnan().any(), f"{name}: not written"
+            ERR.note(f"step {name}", assert_rel(a, b, 1e-5 if name != "ext" else 1e-30, name))
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="bf16 roundings need the GPU: Triton's CPU interpreter truncates to bf16")
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+def test_step_kernel_bf16_as_close_to_fp32_as_torch_path(monkeypatch, cfg):
+    """bfloat16: the kernel rounds where the torch path rounds, so against the same model run in
+    float32 it is as accurate as the torch path (mean over trials, within 25%)."""
+    raw = tiny_hybrid_config(**CONFIGS[cfg])
+    m16 = build_random_target(raw, seed=4, device=DEV, dtype=torch.bfloat16)
+    m32 = build_random_target(raw, seed=4, device=DEV)
+    for a, b in zip(m32.parameters(), m16.parameters()):
+        a.copy_(b.float())  # the same (bf16-valued) weights
+    m32.prepare()
+    e_torch, e_kernel = [], []
+    for trial in range(8):
+        inputs = _random_inputs(m16, trial)
+        inputs = (inputs[0], inputs[1].to(torch.bfloat16).float(), inputs[2].to(torch.bfloat16).float())
+        truth = _run_step(m32, inputs, False, monkeypatch)[0]
+        e_torch.append(rel_err(_run_step(m16, inputs, False, monkeypatch)[0], truth))
+        e_kernel.append(rel_err(_run_step(m16, inputs, True, monkeypatch)[0], truth))
+    mt, mk = sum(e_torch) / len(e_torch), sum(e_kernel) / len(e_kernel)
+    ERR.note("step bf16 kernel vs fp32", mk)
+    ERR.note("step bf16 torch vs fp32", mt)
+    assert mk <= 1.25 * mt, f"bf16 kernel error {mk:.3g} vs torch path {mt:.3g} (both against float32)"
+
+
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+def test_commit_kernel_matches_commit_states(cfg):
+    """The state pass over a random tree's accepted path, batched over layers, vs commit_states_."""
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=5, device=DEV)
+    group = next(iter(model.gdn_groups.values()))
+    L, H, dk, dv = group.state.shape
+    g = torch.Generator().manual_seed(1)
+    for T in (1, 5, 17):
+        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g)) for n in range(1, T)])
+        mask = ancestor_mask_from_parents(parents).to(DEV)
+        for b in (group.kbuf, group.ubuf):
+            b.copy_(torch.randn(b.shape, generator=g))
+        group.cbuf.copy_(-torch.rand(group.cbuf.shape, generator=g).cumsum(-1))
+        S0 = torch.randn(L, H, dk, dv, generator=g).to(DEV)
+        for node in {0, T // 2, T - 1}:
+            path = mask[node].nonzero()[:, 0]  # root first (ancestors have smaller indices)
+            n = torch.tensor(path.shape[0], device=DEV)
+            padded = torch.cat([path, path[-1:].expand(16 - path.shape[0])])  # as the walk pads it
+            ref = gdn.commit_states_(S0.clone(), *group.wy(T), torch.tensor(node, device=DEV), mask)
+            got = triton_gdn.gdn_commit_(S0.clone(), *group.wy(T), padded, n)
+            ERR.note("commit", assert_rel(got, ref, 1e-6, f"T={T} node={node}"))
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 8)])
+def test_decoding_through_the_kernels_equals_torch_path(interpret, monkeypatch, method, budget):
+    """Whole decoders: greedy tokens with the kernels (AR steps fused, every commit through the
+    kernel) equal the torch path's."""
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    toks = {}
+    for fast in (True, False):
+        monkeypatch.setattr(triton_gdn, "ENABLED", fast)
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
+        toks[fast] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
+    assert toks[True] == toks[False]
+
+
+def test_report_max_errors():
+    ERR.report("triton_gdn")
