@@ -271,15 +271,21 @@ def main():
     print(f"copy bandwidth {out['copy_GBps']:.0f} GB/s", file=sys.stderr)
     sizes = [int(x) for x in a.sizes.split(",")]
     budgets = [int(x) for x in a.budgets.split(",")]
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every part, so a run cut short keeps what it measured
+        Path(a.out).write_text(json.dumps(out, indent=2, default=str))
+
     out["main"] = bench_preset(a.preset, a.devices.split(","), [int(x) for x in a.contexts.split(",")], budgets,
                                sizes, a.hf, a.gen_tokens, a.profile)
+    save()
     if a.dense:
         out["dense"] = bench_preset("qwen3-8b", a.devices.split(",")[:1], [512], [32], [1, 33], a.hf, a.gen_tokens)
+        save()
     if a.codepair is not None:
         out["codepair"] = codepair_bench(a.codepair, a.devices.split(",")[0], a.codepair_limit, a.out, a.codepair_budgets)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     report(out)  # also adds out["targets"]
-    Path(a.out).write_text(json.dumps(out, indent=2, default=str))
+    save()
 
 
 def report(out: dict):
