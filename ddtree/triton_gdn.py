@@ -31,7 +31,9 @@ except Exception:  # triton is optional: the torch paths are complete
 
 # Read once at import, not per call: the check runs inside compiled layers.
 ENABLED = triton is not None and os.environ.get("DDTREE_NO_TRITON") != "1"
-INTERPRET_ON_CPU = False  # tests set it: the model's CPU forward and commit then take these kernels too
+# Tests set it (or DDTREE_TRITON_ON_CPU=1, for worker processes): CPU forwards and commits then take
+# these kernels too, under the interpreter.
+INTERPRET_ON_CPU = os.environ.get("DDTREE_TRITON_ON_CPU") == "1"
 
 
 def available(t: torch.Tensor) -> bool:

@@ -254,3 +254,27 @@ def test_tp_compiled_layers_match_single_process(pair_dirs):
                                temperature=0.0, top_p=1.0, top_k=0, seed=0, dtype="float32", max_length=512,
                                prompt_ids=PROMPT, stop_ids=[], tp=W, device_type="cpu", compile=True))
     assert rec.token_ids == ref.token_ids
+
+
+def test_tp_triton_kernels_match_single_process(pair_dirs, monkeypatch):
+    """The Triton GDN step and commit kernels on each rank's half of the GDN heads (run by Triton's
+    interpreter in the gloo workers) give the single process's torch-path greedy tokens."""
+    from ddtree import triton_gdn
+
+    if triton_gdn.triton is None or not triton_gdn.interpreter_on():
+        pytest.skip("needs triton with TRITON_INTERPRET=1 (tests/conftest.py sets it on machines without a GPU)")
+    tdir, ddir, target, drafter = pair_dirs
+    dec = Decoder(target, drafter, 512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {m: dec.generate(PROMPT, method=m, budget=8, sampling=SamplingParams(), max_new_tokens=16, seed=0)
+                for m in ("ar", "ddtree")}
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("DDTREE_TRITON_ON_CPU", "1")
+    for method, ref in refs.items():
+        rec = run_generate_tp(dict(target=str(tdir), drafter=str(ddir), method=method, budget=8, max_new_tokens=16,
+                                   temperature=0.0, top_p=1.0, top_k=0, seed=0, dtype="float32", max_length=512,
+                                   prompt_ids=PROMPT, stop_ids=[], tp=W, device_type="cpu"))
+        assert rec.token_ids == ref.token_ids, method
