@@ -28,7 +28,7 @@ from ddtree.errors import DDTreeError
 from ddtree.sampling import SamplingParams, choose
 from ddtree.stats import GenerationRecord, RoundRecord
 from ddtree.target import TargetModel
-from ddtree.tree import Tree, build_tree
+from ddtree.tree import Tree, build_tree, build_tree_device, device_tree_fits
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -151,6 +151,7 @@ class _Slot:
         self.tokens, self.depths, self.parents = self.ints[0], self.ints[1], self.ints[2]
         self.mask = torch.zeros(T, T, dtype=torch.bool, device=dev)
         self.choice = torch.zeros(T, dtype=torch.long, device=dev)
+        self.ranks = torch.zeros(T, dtype=torch.long, device=dev)  # written by device-built trees (rounds ahead)
         pin = torch.device(dev).type == "cuda"
         self.host_ints = torch.zeros(3, T, dtype=torch.long, pin_memory=pin)
         self.host_mask = torch.zeros(T, T, dtype=torch.bool, pin_memory=pin)
@@ -202,7 +203,11 @@ class Decoder:
         self._outs: dict = {}
         self._vsteps: dict = {}  # verify key -> {device: GDNGroup.step of that verify}
         self._walks: dict = {}  # P -> static walk buffers (see _walk_buf)
-        self.pipeline_ar = True  # ar: launch step r + 1 before reading step r (see _ar_rounds)
+        # ar: launch step r + 1 before reading step r (see _ar_rounds). dflash / fixed-budget ddtree:
+        # the next tree is built on the device and round r + 1 is launched before round r is read
+        # (see _ahead_rounds). False (or DDTREE_HOST_ROUNDS=1): the host-tree round loop, their twin.
+        self.pipeline_ar = self.rounds_ahead = os.environ.get("DDTREE_HOST_ROUNDS") != "1"
+        self._snap_extra: list = []
         if drafter is not None:
             target.tap_layers = list(drafter.cfg.target_layer_ids)
             drafter.attach(target.embed_tokens, target.lm_head)
@@ -376,6 +381,7 @@ class Decoder:
             tensors += [kc[:, start:end], vc[:, start:end]]
         if self.drafter is not None:
             tensors.append(self.drafter.ctx_len)
+        tensors += self._snap_extra  # a round that rewrites its own inputs (rounds ahead: the slot)
         return [(t, t.clone()) for t in tensors]
 
     @staticmethod
@@ -465,6 +471,11 @@ class Decoder:
         if method == "ar" and self.pipeline_ar and not stopped:
             self._ar_rounds(out, start, max_new_tokens, stop_ids, sampling, gen, on_tokens, clock, rounds, pending_times)
             stopped = True  # done: skip the round loop below
+        elif (method in ("dflash", "ddtree") and self.rounds_ahead and not stopped and not auto and not top1_first
+              and len(out) < max_new_tokens and (method == "dflash" or device_tree_fits(depth, k, budget))):
+            self._ahead_rounds(method, budget, self._tree(method, bonus, draft, budget, False), out, start,
+                               max_new_tokens, stop_ids, sampling, gen, on_tokens, clock, rounds, pending_times, k)
+            stopped = True
         backlog = None  # the last round's bookkeeping: done while the device runs the next round
 
         def book(toks, tree, path, n, T, marks):
@@ -584,6 +595,102 @@ class Decoder:
             marks = nxt
             if stopped:
                 break
+
+    def _step_ahead(self, slot: _Slot, taps, P: int, draft_kv: int, k: int, sp: SamplingParams, budget: int | None):
+        """Everything after a verify when rounds run ahead, in one graph: walk, commit, drafter,
+        and the next tree written into `slot` on the device (budget None: the DFlash chain).
+        -> packed floats: [n, bonus, path tokens (P), path ranks (P), next tree's depth]."""
+        path, n, bonus = self._walk(slot, P)
+        parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(),
+                 slot.ranks.index_select(0, path).float()]
+        self._commit(P)
+        self.drafter.add_context(taps.index_select(0, path.to(taps.device)), n)
+        lp, ids = self._draft_topk(bonus, draft_kv, k, sp)
+        ids = ids.to(slot.tokens.device)
+        if budget is None:  # the chain: bonus, then the drafter's top-1 per position (shape unchanged)
+            slot.tokens.copy_(torch.cat([bonus.view(1), ids[:, 0]]))
+            depth = torch.full((1,), slot.tokens.shape[0] - 1, device=slot.tokens.device)
+        else:
+            tokens, depths, parents, ranks, mask, d = build_tree_device(bonus, lp.to(ids.device), ids, budget)
+            slot.ints.copy_(torch.stack([tokens, depths, parents]))
+            slot.ranks.copy_(ranks)
+            slot.mask.copy_(mask)
+            depth = d.view(1)
+        return torch.cat(parts + [depth.float()])
+
+    def _ahead_rounds(self, method, budget, tree: Tree, out, start, max_new_tokens, stop_ids, sampling, gen,
+                      on_tokens, clock, rounds, pending_times, k: int):
+        """`dflash` and fixed-budget `ddtree` with the tree built on the device: round r + 1 is queued
+        before the host reads round r (one pinned copy + event per round, as in `_ar_rounds`), so the
+        host's work overlaps the device's. Reference twin: the round loop (rounds_ahead=False)."""
+        T, P = tree.num_nodes, self.block_size
+        slot = self._slot(T)
+        slot.load(tree)
+        slot.ranks.copy_(tree.ranks.to(slot.ranks.device))
+        b = None if method == "dflash" else budget
+        if b is not None:
+            slot._shape = (None, None)  # the device will rewrite the tree's shape: no upload shortcut later
+        cuda = self.target.device.type == "cuda"
+        host_bufs = [torch.zeros(2 + 2 * P + 1, pin_memory=cuda) for _ in range(2)]
+        events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        depths = {0: int(tree.depths.max())}
+
+        def launch(r: int, start_bound: int):
+            kv_len = min(_bucket(start_bound + T, self.bucket), self.max_len)
+            draft_kv = min(_bucket(start_bound + P, self.bucket), self.max_len)
+            e0 = clock.now()
+            vkey = ("verify", T, kv_len, sampling.greedy, True)
+            logits, taps = self._run(vkey, lambda: self._verify(slot, kv_len, sampling.greedy, True))
+            if not sampling.greedy:
+                slot.choice.copy_(choose(logits, sampling, gen))
+            e1 = clock.now()
+            self._snap_extra = [slot.ints, slot.mask, slot.ranks]  # the step rewrites its own inputs
+            try:
+                packed = self._run(("ahead", vkey, P, draft_kv, k, sampling, b),
+                                   lambda: self._step_ahead(slot, taps, P, draft_kv, k, sampling, b))
+            finally:
+                self._snap_extra = []
+            e2 = clock.now()
+            host_bufs[r % 2].copy_(packed, non_blocking=True)
+            if events[r % 2] is not None:
+                events[r % 2].record()
+            return [("verify", e0, e1), ("draft", e1, e2)]
+
+        marks = {0: launch(0, start)}
+        r = 0
+        while True:
+            h0 = time.perf_counter()
+            # round r + 1 may start at most P past round r's start: launch it now if that fits
+            ahead = len(out) + 1 < max_new_tokens and start + P + T + P <= self.max_len
+            if ahead:
+                marks[r + 1] = launch(r + 1, start + P)
+            w0 = time.perf_counter()
+            if events[r % 2] is not None:
+                events[r % 2].synchronize()  # the round's one device-to-host sync
+            wait_s = time.perf_counter() - w0
+            h = host_bufs[r % 2].tolist()
+            n, bonus = int(h[0]), int(h[1])
+            path_tok = [int(x) for x in h[2 : 2 + n]]
+            ranks = [int(x) for x in h[2 + P + 1 : 2 + P + n]]
+            depths[r + 1] = int(h[2 + 2 * P])
+            start += n
+            toks = (path_tok[1:] + [bonus])[: max_new_tokens - len(out)]
+            stopped = False
+            for i, t in enumerate(toks):
+                if t in stop_ids:
+                    toks, stopped = toks[: i + 1], True
+                    break
+            out.extend(toks)
+            if on_tokens:
+                on_tokens(toks)
+            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=depths.pop(r), accepted=n - 1, accepted_ranks=ranks,
+                                      committed=len(toks), times_ms={}))
+            pending_times.append(marks.pop(r) + [("host", (time.perf_counter() - h0 - wait_s) * 1e3)])
+            if stopped or len(out) >= max_new_tokens:
+                return
+            if not ahead:
+                marks[r + 1] = launch(r + 1, start)
+            r += 1
 
     @staticmethod
     def _fill_times(clock: StageClock, rounds, pending):

@@ -177,3 +177,68 @@ def benchmark_build(budget: int, depth: int = 15, k: int | None = None, repeats:
     for _ in range(repeats):
         build_tree(0, lp, ids, budget)
     return (time.perf_counter() - t0) * 1e3 / repeats
+
+
+def device_tree_fits(depth: int, k: int, budget: int) -> bool:
+    """Does a best-first tree of `budget` draft nodes exist with D = depth, K = k (enough prefixes)?
+    (`build_tree_device` has fixed shapes: it needs exactly `budget` of them.)"""
+    total, width = 0, 1
+    for _ in range(depth):
+        width = min(width * k, budget)
+        total += width
+        if total >= budget:
+            return True
+    return False
+
+
+def build_tree_device(root: torch.Tensor, topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int):
+    """`build_tree` on the device, without a host sync, for fixed-shape rounds (CUDA graphs).
+
+    root: 0-dim long; topk_logprobs / topk_ids: [D, K] (sorted descending along K), on one device.
+    The best-first tree of `budget` draft nodes is the set of the `budget` highest-scoring rank
+    prefixes, in descending score (parents first on ties): per depth d the best B = budget
+    prefixes extend only the best B of depth d - 1 (an extension scores at most its parent), then
+    the best B over all depths. Equal to `build_tree` wherever scores do not tie (tests check it);
+    a tie may pick another of the tied nodes, which changes the tree's shape, never the output.
+    Needs `device_tree_fits(D, K, budget)`. Returns tokens, depths, parents, ranks [B + 1] long,
+    ancestor mask [B + 1, B + 1] bool, and the tree depth (0-dim).
+    """
+    B = int(budget)
+    D, K = topk_logprobs.shape
+    dev = topk_logprobs.device
+    Kb = min(K, B)
+    lp = topk_logprobs[:, :Kb].float()  # [D, Kb]
+    scores, parent_g, ranks, depths = [lp[0]], [torch.full((Kb,), -1, device=dev)], [torch.arange(Kb, device=dev)], []
+    depths.append(torch.ones(Kb, dtype=torch.long, device=dev))
+    offset, beam = 0, lp[0]  # global index of the current beam's first candidate; its scores [W]
+    for d in range(1, D):
+        W = beam.shape[0]
+        cand = (beam[:, None] + lp[d][None, :]).flatten()  # [W * Kb]
+        top = cand.topk(min(B, cand.shape[0]), sorted=True)
+        scores.append(top.values)
+        parent_g.append(offset + torch.div(top.indices, Kb, rounding_mode="floor"))
+        ranks.append(top.indices % Kb)
+        depths.append(torch.full((top.values.shape[0],), d + 1, dtype=torch.long, device=dev))
+        offset += W
+        beam = top.values
+    S = torch.cat(scores)  # [G] every candidate, depth-major (so a stable sort puts parents first on ties)
+    order = torch.sort(S, descending=True, stable=True).indices[:B]  # [B] the tree's draft nodes, in node order
+    G = S.shape[0]
+    node_of = torch.zeros(G, dtype=torch.long, device=dev)
+    node_of[order] = torch.arange(1, B + 1, device=dev)  # candidate -> node id (selected ones)
+    par_g = torch.cat(parent_g)[order]
+    parents = torch.where(par_g >= 0, node_of[par_g.clamp(min=0)], 0)  # depth-1 nodes hang off the root
+    dep = torch.cat(depths)[order]
+    rk = torch.cat(ranks)[order]
+    tok = topk_ids[:, :Kb].reshape(-1)[(dep - 1) * Kb + rk]
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    tokens = torch.cat([root.view(1).long(), tok.long()])
+    parents_all = torch.cat([zero - 1, parents])
+    depths_all = torch.cat([zero, dep])
+    ranks_all = torch.cat([zero, rk])
+    eye = torch.eye(B + 1, dtype=torch.bool, device=dev)
+    up = parents_all.clamp(min=0)
+    mask = eye
+    for _ in range(D):  # mask[n] = {n} + mask[parent(n)]: after t passes, ancestors up to t levels up
+        mask = eye | mask.index_select(0, up)
+    return tokens, depths_all, parents_all, ranks_all, mask, depths_all.max()

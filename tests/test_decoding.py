@@ -440,3 +440,35 @@ def test_ar_launch_ahead_equals_round_loop(kind, monkeypatch):
         runs[ahead] = (greedy.token_ids, sampled.token_ids, stopped.token_ids, short, len(greedy.rounds))
     dec.pipeline_ar = True
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_rounds_ahead_equal_host_tree_loop(kind):
+    """dflash / ddtree with the tree built on the device and round r + 1 queued before round r is
+    read (Decoder._ahead_rounds) against the host-tree round loop (rounds_ahead=False): the same
+    tokens and per-round records, greedy and sampled with a seed, with a stop token and short
+    max_new_tokens; and a tree size shared by a chain (block 16 / budget 15) cannot leak shapes."""
+    from ddtree.sampling import SamplingParams
+
+    dec, _ = build_random_pair(kind, 7)
+    prompt = _prompt(8, 11)
+    sp = SamplingParams(temperature=0.9, top_p=0.95)
+    runs = {}
+    for ahead in (True, False):
+        dec.rounds_ahead = ahead
+        got = []
+        for method, budget in (("dflash", None), ("ddtree", 4), ("ddtree", dec.block_size - 1), ("ddtree", 32)):
+            for sampling in (SamplingParams(), sp):
+                rec = dec.generate(prompt, method, budget=budget or 8, sampling=sampling, max_new_tokens=40, seed=5)
+                got.append((method, budget, rec.token_ids,
+                            [(r.tree_size, r.tree_depth, r.accepted, r.accepted_ranks, r.committed) for r in rec.rounds]))
+            greedy = got[-2][2]
+            i, stop = _first_new_token_at(greedy, 15)
+            chunks = []
+            rec = dec.generate(prompt, method, budget=budget or 8, max_new_tokens=40, stop_ids={stop},
+                               on_tokens=chunks.append)
+            assert rec.token_ids == greedy[: i + 1] and [t for c in chunks for t in c] == rec.token_ids
+            got.append([dec.generate(prompt, method, budget=budget or 8, max_new_tokens=n).token_ids for n in (1, 2, 5)])
+        runs[ahead] = got
+    dec.rounds_ahead = True
+    assert runs[True] == runs[False]

@@ -179,3 +179,33 @@ def test_chain_tree():
     assert torch.equal(t.ancestor_mask, torch.ones(4, 4, dtype=torch.bool).tril())
     assert torch.equal(ancestor_mask_from_parents(t.parents), t.ancestor_mask)
     assert t.path_to(3) == [0, 1, 2, 3] and t.path_to(0) == [0]
+
+
+def test_device_tree_builder_equals_best_first_heap():
+    """build_tree_device (fixed shapes, no host sync) equals build_tree's heap wherever scores
+    do not tie: random depths, top-k widths and budgets, including beams narrower than the budget."""
+    from ddtree.tree import build_tree_device, device_tree_fits
+
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for _ in range(150):
+        D, K, B = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 16), (1, 40), (1, 70)))
+        if not device_tree_fits(D, K, B):
+            continue
+        lp, ids = torch.log_softmax(torch.randn(D, 300, generator=g) * 3, -1).topk(K, -1)
+        ref = build_tree(7, lp, ids, B)
+        tokens, depths, parents, ranks, mask, depth = build_tree_device(torch.tensor(7), lp, ids, B)
+        assert ref.num_nodes == B + 1
+        for got, want in ((tokens, ref.tokens), (depths, ref.depths), (parents, ref.parents), (ranks, ref.ranks),
+                          (mask, ref.ancestor_mask)):
+            assert torch.equal(got, want), (D, K, B)
+        assert int(depth) == int(ref.depths.max())
+        checked += 1
+    assert checked > 100
+
+
+def test_device_tree_fits():
+    from ddtree.tree import device_tree_fits
+
+    assert device_tree_fits(15, 32, 32) and device_tree_fits(2, 6, 42) and not device_tree_fits(2, 6, 43)
+    assert not device_tree_fits(1, 4, 5) and device_tree_fits(1, 4, 4)
