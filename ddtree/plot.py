@@ -296,7 +296,8 @@ def _plot_stages(doc: dict, Figure, Canvas, path: Path) -> None:
         ]
         for s in stages
     }
-    stages = [s for s in stages if any(per_round[s])] or list(STAGES)
+    # `host` overlaps the device stages (it is the host's own time): not a slice of the stack
+    stages = [s for s in stages if any(per_round[s]) and s != "host"] or list(STAGES)
 
     width = max(8.0, 0.75 * len(runs) * 2 + 3)
     fig = _new_figure(Figure, Canvas, (min(width, 18), 5.2))
