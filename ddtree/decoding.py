@@ -292,11 +292,11 @@ class Decoder:
     def _run(self, key, fn):
         """Run fn() eagerly, or through a CUDA graph captured on first use of `key`.
 
-        A commit reads, at capture time, what its verify left in the GDN groups' `step` (tree size,
+        A commit (in a "commit" graph, or inside ar's "draft" and the rounds-ahead "ahead" graphs) reads, at capture time, what its verify left in the GDN groups' `step` (tree size,
         conv windows, path mask). Under graphs the last verify *executed in Python* need not be the
         one being committed (--budget auto captures every size up front; replays run no Python),
         so each verify key keeps its own step and its commit runs with it."""
-        if key[0] == "commit":
+        if key[0] in ("commit", "ahead", "draft"):  # every graph that may commit (ar's "draft" and "ahead" do)
             for dev, st in self._vsteps.get(key[1], {}).items():
                 self.target.gdn_groups[dev].step = st
         out = self._run_fn(key, fn)
@@ -600,6 +600,7 @@ class Decoder:
         """Everything after a verify when rounds run ahead, in one graph: walk, commit, drafter,
         and the next tree written into `slot` on the device (budget None: the DFlash chain).
         -> packed floats: [n, bonus, path tokens (P), path ranks (P), next tree's depth]."""
+        slot._shape = (None, None)  # this rewrites the slot's tree: no upload shortcut for the next host load
         path, n, bonus = self._walk(slot, P)
         parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(),
                  slot.ranks.index_select(0, path).float()]

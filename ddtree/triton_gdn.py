@@ -18,6 +18,7 @@ their twins without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -42,6 +43,14 @@ def available(t: torch.Tensor) -> bool:
 
 
 _JIT: dict = {}  # (kernel, interpret) -> jitted; the CUDA ones are made at import (see the end)
+
+
+def _on_device_of(t: torch.Tensor):
+    """Triton launches on the current device's current stream: make it t's (layers split over
+    GPUs run eagerly with another device current). Compiled code needs no guard: inductor sets it."""
+    if t.is_cuda and not torch.compiler.is_compiling():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def interpreter_on() -> bool:
@@ -144,15 +153,17 @@ def gdn_step(layer, proj: torch.Tensor) -> torch.Tensor:
     w, neg_a = layer._consts()
     out = torch.empty(hv * dv, dtype=proj.dtype, device=proj.device)
     kb, ub, cb = layer.wy_bufs  # [hv, cap, dk], [hv, cap, dv], [hv, cap]
+    assert kb.stride(-1) == ub.stride(-1) == 1 and proj.stride(-1) == 1
     kern = _kernel(_gdn_step_kernel, interpret=not proj.is_cuda)
-    kern[(hv,)](
-        proj, layer.conv_state, w, neg_a, layer.dt_bias, layer.rec_state, layer.norm.weight, out,
-        layer.ext_buf, kb, ub, cb,
-        C, hv, hv // layer.hk, layer.norm.eps,
-        kb.stride(0), ub.stride(0), cb.stride(0),
-        KD=layer.hk * dk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
-        HIST=layer.width - 1, num_warps=8 if dk * dv >= 8192 else 4,
-    )
+    with _on_device_of(proj):
+        kern[(hv,)](
+            proj, layer.conv_state, w, neg_a, layer.dt_bias, layer.rec_state, layer.norm.weight, out,
+            layer.ext_buf, kb, ub, cb,
+            C, hv, hv // layer.hk, layer.norm.eps,
+            kb.stride(0), ub.stride(0), cb.stride(0),
+            KD=layer.hk * dk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
+            HIST=layer.width - 1, num_warps=8 if dk * dv >= 8192 else 4,
+        )
     return out
 
 
@@ -187,18 +198,20 @@ def gdn_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, c: torch.Tens
                 path_nodes: torch.Tensor, n_nodes: torch.Tensor) -> torch.Tensor:
     """In place: S [L, H, dk, dv] fp32 becomes the state after the path path_nodes[:n_nodes]
     (root first, 0-dim n_nodes on the device) of the last tree. k [L, H, T, dk], U [L, H, T, dv],
-    c [L, H, T]: the scratch views tree_wy / gdn_step wrote (any strides along L, H and T)."""
+    c [L, H, T]: the scratch views tree_wy / gdn_step wrote (layer and head flatten into one stride;
+    unit stride along a row, and along T for c)."""
     L, H, dk, dv = S.shape
     assert S.is_contiguous()
-    for t in (k, U, c):  # layer and head must flatten into one stride
-        assert t.stride(0) == t.shape[1] * t.stride(1)
+    for t in (k, U, c):  # layer and head must flatten into one stride; rows / nodes are unit-stride
+        assert t.stride(0) == t.shape[1] * t.stride(1) and t.stride(-1) == 1
     BV = min(64, triton.next_power_of_2(dv))
     kern = _kernel(_gdn_commit_kernel, interpret=not S.is_cuda)
-    kern[(L * H, triton.cdiv(dv, BV))](
-        S, k, U, c, path_nodes, n_nodes,
-        k.stride(1), k.stride(2), U.stride(1), U.stride(2), c.stride(1),
-        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BV, P=path_nodes.shape[0], num_warps=4,
-    )
+    with _on_device_of(S):
+        kern[(L * H, triton.cdiv(dv, BV))](
+            S, k, U, c, path_nodes, n_nodes,
+            k.stride(1), k.stride(2), U.stride(1), U.stride(2), c.stride(1),
+            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BV, P=path_nodes.shape[0], num_warps=4,
+        )
     return S
 
 

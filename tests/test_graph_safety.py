@@ -120,3 +120,60 @@ def test_commit_uses_its_own_verify_step_under_replay_order():
     dec._run(("commit", key_a, P), lambda: dec._commit(P))
     for a, b in zip(ref, _state(dec, start + 10)):
         assert torch.equal(a, b)
+
+
+def test_graphs_that_commit_inside_use_their_own_verify_step():
+    """The rounds-ahead graph ("ahead": walk + commit + drafter + next tree) and ar's "draft" graph
+    (walk + commit) commit inside. Captured while their verify only replays (a new context
+    bucket for the drafter, new sampling settings), the groups' `step` still describes the last
+    forward run in Python (typically the prefill's last chunk); they must commit with their own
+    verify's step."""
+    from ddtree.sampling import SamplingParams
+
+    sp = SamplingParams()
+    for kind in ("ahead", "draft"):
+        dec, _ = build_random_pair("hybrid", seed=4)
+        dec.generate([3, 4, 5, 6, 7, 8], "ar", max_new_tokens=2)
+        start = int(dec.start_d)
+        if kind == "ahead":  # a 9-node tree, path 0 -> 1 -> 7 -> 8
+            par = torch.tensor([-1, 0, 1, 0, 2, 4, 3, 1, 7])
+            tree_a = Tree(torch.arange(20, 29), par, torch.tensor([0, 1, 2, 1, 3, 4, 2, 2, 3]),
+                          torch.zeros(9, dtype=torch.long), ancestor_mask_from_parents(par))
+            choice = torch.tensor([21, 27, 0, 0, 0, 0, 0, 28, 0])
+        else:  # an ar step
+            tree_a, choice = Tree.chain(torch.tensor([21])), torch.tensor([40])
+        T = tree_a.num_nodes
+        slot_a = dec._slot(T)
+        kv = _bucket(start + 9, dec.bucket)
+        taps_on = kind == "ahead"
+        key_a = ("verify", T, kv, True, taps_on)
+        P = dec.block_size if taps_on else 1
+
+        def piece(taps):
+            if kind == "ahead":
+                return dec._step_ahead(slot_a, taps, P, kv, 8, sp, 8)
+            return dec._draft(slot_a, None, P, kv, 1, sp)
+
+        def run_a():
+            slot_a.load(tree_a)
+            _, taps = dec._run(key_a, lambda: dec._verify(slot_a, kv, True, taps_on))
+            slot_a.choice.copy_(choice)
+            return taps
+
+        snap = dec._snapshot()
+        piece(run_a())
+        upto = int(dec.start_d)  # the committed length: K/V past it is scratch
+        ref = _state(dec, upto)
+        dec._restore(snap)
+        run_a()  # "capture" of a's verify
+        n = 5  # then a prefill-like chunk forward (chain, not committed): the last forward in Python
+        pos = start + torch.arange(n)
+        dec.target.forward(torch.arange(50, 55), pos, torch.ones(n, n, dtype=torch.bool).tril(), torch.arange(n) - 1,
+                           torch.tensor(start), kv, chain=True)
+        step_chain = [g.step for g in dec.target.gdn_groups.values()]
+        taps = run_a()  # a "replay" of a's verify: no Python bookkeeping ...
+        for g, st in zip(dec.target.gdn_groups.values(), step_chain):
+            g.step = st  # ... so the groups still hold the chunk's step
+        dec._run((kind, key_a, P, kv, 8, sp), lambda: piece(taps))
+        for x, y in zip(ref, _state(dec, upto)):
+            assert torch.equal(x, y), kind
