@@ -139,6 +139,35 @@ def _bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
 
+def _emit(toks: list[int], room: int, stop_ids) -> tuple[list[int], bool]:
+    """A round's tokens as emitted: at most `room`, cut after the first stop token. -> (tokens, stopped)."""
+    toks = toks[:room]
+    for i, t in enumerate(toks):
+        if t in stop_ids:
+            return toks[: i + 1], True
+    return toks, False
+
+
+class _HostRing:
+    """Two pinned host buffers and their events: round r's packed output is copied out right
+    after its graphs (`put`) and read after round r + 1 is queued (`get`: the round's one sync)."""
+
+    def __init__(self, n: int, dev: torch.device):
+        cuda = dev.type == "cuda"
+        self.bufs = [torch.zeros(n, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+
+    def put(self, r: int, packed: torch.Tensor):
+        self.bufs[r % 2].copy_(packed, non_blocking=True)
+        if self.events[r % 2] is not None:
+            self.events[r % 2].record()
+
+    def get(self, r: int) -> list[float]:
+        if self.events[r % 2] is not None:
+            self.events[r % 2].synchronize()
+        return self.bufs[r % 2].tolist()
+
+
 class _Slot:
     """Static device buffers for one tree size T (graph inputs are written in place).
 
@@ -207,7 +236,6 @@ class Decoder:
         # the next tree is built on the device and round r + 1 is launched before round r is read
         # (see _ahead_rounds). False (or DDTREE_HOST_ROUNDS=1): the host-tree round loop, their twin.
         self.pipeline_ar = self.rounds_ahead = os.environ.get("DDTREE_HOST_ROUNDS") != "1"
-        self._snap_extra: list = []
         if drafter is not None:
             target.tap_layers = list(drafter.cfg.target_layer_ids)
             drafter.attach(target.embed_tokens, target.lm_head)
@@ -245,6 +273,15 @@ class Decoder:
         if greedy:
             slot.choice.copy_(logits.argmax(-1))
         return logits, tap
+
+    def _verify_choose(self, slot: _Slot, kv_len: int, sampling: SamplingParams, gen, taps_on: bool):
+        """The verify graph of `slot`'s tree (greedy choice inside it; a sampled choice after it).
+        -> (its graph key, logits, taps)."""
+        vkey = ("verify", slot.tokens.shape[0], kv_len, sampling.greedy, taps_on)
+        logits, taps = self._run(vkey, lambda: self._verify(slot, kv_len, sampling.greedy, taps_on))
+        if not sampling.greedy:
+            slot.choice.copy_(choose(logits, sampling, gen))
+        return vkey, logits, taps
 
     def _walk_buf(self, P: int):
         """Static (path_nodes [P], n 0-dim, bonus 0-dim) the walk writes and the commit reads."""
@@ -289,7 +326,7 @@ class Decoder:
             parts += [lp.flatten().to(bonus.device), ids.flatten().float().to(bonus.device)]
         return torch.cat(parts)
 
-    def _run(self, key, fn):
+    def _run(self, key, fn, keep=()):
         """Run fn() eagerly, or through a CUDA graph captured on first use of `key`.
 
         A commit (in a "commit" graph, or inside ar's "draft" and the rounds-ahead "ahead" graphs) reads, at capture time, what its verify left in the GDN groups' `step` (tree size,
@@ -299,12 +336,12 @@ class Decoder:
         if key[0] in ("commit", "ahead", "draft"):  # every graph that may commit (ar's "draft" and "ahead" do)
             for dev, st in self._vsteps.get(key[1], {}).items():
                 self.target.gdn_groups[dev].step = st
-        out = self._run_fn(key, fn)
+        out = self._run_fn(key, fn, keep)
         if key[0] == "verify" and (not self.use_graphs or key not in self._vsteps):
             self._vsteps[key] = {dev: g.step for dev, g in self.target.gdn_groups.items()}
         return out
 
-    def _run_fn(self, key, fn):
+    def _run_fn(self, key, fn, keep=()):
         if not self.use_graphs:
             return fn()
         if key not in self._graphs:
@@ -316,7 +353,7 @@ class Decoder:
                             "DDTREE_NO_COMPILE=1 skips it)")
             # Warm up on a side stream (allocator, cuBLAS handles), then capture. The warm-up
             # mutates state, so it is run on snapshots: capture only reads buffers' addresses.
-            snap = self._snapshot()
+            snap = self._snapshot(keep)
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
@@ -367,10 +404,11 @@ class Decoder:
             verify_ms[b] = sorted(times)[1]
         return BudgetChooser(verify_ms)
 
-    def _snapshot(self):
+    def _snapshot(self, keep=()):
         """Everything a round mutates: start_d, GDN states, the drafter's length, and the K/V
         slots a tree or commit can touch (the commit move is not idempotent: run twice, it
-        reads slots its first run overwrote)."""
+        reads slots its first run overwrote); plus `keep`, inputs a piece rewrites itself
+        (the rounds-ahead step writes the next tree into its own slot)."""
         tgt = self.target
         tensors = [self.start_d]
         for group in tgt.gdn_groups.values():
@@ -381,7 +419,7 @@ class Decoder:
             tensors += [kc[:, start:end], vc[:, start:end]]
         if self.drafter is not None:
             tensors.append(self.drafter.ctx_len)
-        tensors += self._snap_extra  # a round that rewrites its own inputs (rounds ahead: the slot)
+        tensors += list(keep)
         return [(t, t.clone()) for t in tensors]
 
     @staticmethod
@@ -501,10 +539,7 @@ class Decoder:
             draft_kv = min(_bucket(start + P, self.bucket), self.max_len)
             # ---------------- verify (+ greedy choice)
             e0 = clock.now()
-            vkey = ("verify", T, kv_len, sampling.greedy, taps_on)
-            logits, taps = self._run(vkey, lambda: self._verify(slot, kv_len, sampling.greedy, taps_on))
-            if not sampling.greedy:
-                slot.choice.copy_(choose(logits, sampling, gen))
+            vkey, _, taps = self._verify_choose(slot, kv_len, sampling, gen, taps_on)
             e1 = clock.now()
             # ---------------- walk and draft the next block (graph keys chain: they read the verify's buffers)
             packed = self._run(("draft", vkey, P, draft_kv, k, sampling),
@@ -530,12 +565,7 @@ class Decoder:
             start += n
             # ---------------- emit: accepted draft tokens, then the new bonus
             tree_tokens = tree.tokens.tolist()
-            toks = [tree_tokens[i] for i in path[1:]] + [bonus]
-            toks = toks[: max_new_tokens - len(out)]
-            for i, t in enumerate(toks):
-                if t in stop_ids:
-                    toks, stopped = toks[: i + 1], True
-                    break
+            toks, stopped = _emit([tree_tokens[i] for i in path[1:]] + [bonus], max_new_tokens - len(out), stop_ids)
             out.extend(toks)
             marks = [("tree", host_tree_ms), ("verify", e0, e1), ("draft", e1, e2)] + ([("commit", e3, e4)] if taps_on else [])
             # host: the round's wall time minus the wait in the sync (what the device may idle on)
@@ -558,23 +588,17 @@ class Decoder:
         work then overlaps the device's instead of adding to it. Same kernels as the round loop."""
         slot = self._slot(1)
         slot.load(Tree.chain(torch.tensor([out[-1]])))
-        host_bufs = [torch.zeros(3, pin_memory=self.target.device.type == "cuda") for _ in range(2)]
-        events = [torch.cuda.Event() if self.target.device.type == "cuda" else None for _ in range(2)]
+        ring = _HostRing(3, self.target.device)
         steps = max_new_tokens - len(out)  # each step adds one token
 
         def launch(r: int):
             kv_len = min(_bucket(start + r + 1, self.bucket), self.max_len)
             e0 = clock.now()
-            vkey = ("verify", 1, kv_len, sampling.greedy, False)
-            logits, _ = self._run(vkey, lambda: self._verify(slot, kv_len, sampling.greedy, False))
-            if not sampling.greedy:
-                slot.choice.copy_(choose(logits, sampling, gen))
+            vkey, _, _ = self._verify_choose(slot, kv_len, sampling, gen, False)
             e1 = clock.now()
             packed = self._run(("draft", vkey, 1, kv_len, 1, sampling), lambda: self._draft(slot, None, 1, kv_len, 1, sampling))
             e2 = clock.now()
-            host_bufs[r % 2].copy_(packed, non_blocking=True)
-            if events[r % 2] is not None:
-                events[r % 2].record()
+            ring.put(r, packed)
             return [("verify", e0, e1), ("draft", e1, e2)]
 
         marks = launch(0) if steps > 0 else None
@@ -582,10 +606,9 @@ class Decoder:
             h0 = time.perf_counter()
             nxt = launch(r + 1) if r + 1 < steps else None  # queued behind step r
             w0 = time.perf_counter()
-            if events[r % 2] is not None:
-                events[r % 2].synchronize()  # the step's one device-to-host sync
+            h = ring.get(r)  # the step's one device-to-host sync
             wait_s = time.perf_counter() - w0
-            tok = int(host_bufs[r % 2][1])
+            tok = int(h[1])
             stopped = tok in stop_ids
             out.append(tok)
             if on_tokens:
@@ -631,30 +654,20 @@ class Decoder:
         b = None if method == "dflash" else budget
         if b is not None:
             slot._shape = (None, None)  # the device will rewrite the tree's shape: no upload shortcut later
-        cuda = self.target.device.type == "cuda"
-        host_bufs = [torch.zeros(2 + 2 * P + 1, pin_memory=cuda) for _ in range(2)]
-        events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        ring = _HostRing(2 + 2 * P + 1, self.target.device)
         depths = {0: int(tree.depths.max())}
 
         def launch(r: int, start_bound: int):
             kv_len = min(_bucket(start_bound + T, self.bucket), self.max_len)
             draft_kv = min(_bucket(start_bound + P, self.bucket), self.max_len)
             e0 = clock.now()
-            vkey = ("verify", T, kv_len, sampling.greedy, True)
-            logits, taps = self._run(vkey, lambda: self._verify(slot, kv_len, sampling.greedy, True))
-            if not sampling.greedy:
-                slot.choice.copy_(choose(logits, sampling, gen))
+            vkey, _, taps = self._verify_choose(slot, kv_len, sampling, gen, True)
             e1 = clock.now()
-            self._snap_extra = [slot.ints, slot.mask, slot.ranks]  # the step rewrites its own inputs
-            try:
-                packed = self._run(("ahead", vkey, P, draft_kv, k, sampling, b),
-                                   lambda: self._step_ahead(slot, taps, P, draft_kv, k, sampling, b))
-            finally:
-                self._snap_extra = []
+            packed = self._run(("ahead", vkey, P, draft_kv, k, sampling, b),
+                               lambda: self._step_ahead(slot, taps, P, draft_kv, k, sampling, b),
+                               keep=(slot.ints, slot.mask, slot.ranks))  # the step rewrites its own inputs
             e2 = clock.now()
-            host_bufs[r % 2].copy_(packed, non_blocking=True)
-            if events[r % 2] is not None:
-                events[r % 2].record()
+            ring.put(r, packed)
             return [("verify", e0, e1), ("draft", e1, e2)]
 
         marks = {0: launch(0, start)}
@@ -666,21 +679,14 @@ class Decoder:
             if ahead:
                 marks[r + 1] = launch(r + 1, start + P)
             w0 = time.perf_counter()
-            if events[r % 2] is not None:
-                events[r % 2].synchronize()  # the round's one device-to-host sync
+            h = ring.get(r)  # the round's one device-to-host sync
             wait_s = time.perf_counter() - w0
-            h = host_bufs[r % 2].tolist()
             n, bonus = int(h[0]), int(h[1])
             path_tok = [int(x) for x in h[2 : 2 + n]]
             ranks = [int(x) for x in h[2 + P + 1 : 2 + P + n]]
             depths[r + 1] = int(h[2 + 2 * P])
             start += n
-            toks = (path_tok[1:] + [bonus])[: max_new_tokens - len(out)]
-            stopped = False
-            for i, t in enumerate(toks):
-                if t in stop_ids:
-                    toks, stopped = toks[: i + 1], True
-                    break
+            toks, stopped = _emit(path_tok[1:] + [bonus], max_new_tokens - len(out), stop_ids)
             out.extend(toks)
             if on_tokens:
                 on_tokens(toks)

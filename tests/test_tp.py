@@ -163,19 +163,14 @@ def test_tp_forward_matches_full_model(pair_dirs):
 # ------------------------------------------------------------------ generate: TP=2 == one process
 
 
-def test_tp_generate_matches_single_process(pair_dirs):
+def test_tp_generate_matches_single_process(pair_dirs, one_thread):
     tdir, ddir, target, drafter = pair_dirs  # the weights the checkpoints hold (float32: exact)
     dec = Decoder(target, drafter, 512)
     common = dict(target=str(tdir), drafter=str(ddir), budget=8, max_new_tokens=24, temperature=0.0, top_p=1.0,
                   top_k=0, seed=0, dtype="float32", max_length=512, prompt_ids=PROMPT, stop_ids=[], tp=W,
                   device_type="cpu")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # like each worker; a loaded 2-core CI box crawls with spinning OpenMP threads
-    try:
-        refs = {m: dec.generate(PROMPT, method=m, budget=8, sampling=SamplingParams(), max_new_tokens=24, seed=0)
-                for m in ("ar", "dflash", "ddtree")}
-    finally:
-        torch.set_num_threads(threads)
+    refs = {m: dec.generate(PROMPT, method=m, budget=8, sampling=SamplingParams(), max_new_tokens=24, seed=0)
+            for m in ("ar", "dflash", "ddtree")}
     for method, ref in refs.items():
         streamed: list[int] = []
         rec = run_generate_tp({**common, "method": method}, on_tokens=streamed.extend,
@@ -186,18 +181,13 @@ def test_tp_generate_matches_single_process(pair_dirs):
         assert [(x.tree_size, x.accepted) for x in rec.rounds] == [(x.tree_size, x.accepted) for x in ref.rounds]
 
 
-def test_tp_sampling_ranks_agree(pair_dirs):
+def test_tp_sampling_ranks_agree(pair_dirs, one_thread):
     """Sampling: every rank draws with the same seed from bit-identical gathered logits, so the
     ranks stay in step; rank 0 matches one process (the logits differ only by rounding)."""
     tdir, ddir, target, drafter = pair_dirs
     sp = SamplingParams(temperature=0.8, top_p=0.95, top_k=20)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = Decoder(target, drafter, 512).generate(PROMPT, method="ddtree", budget=8, sampling=sp, max_new_tokens=16,
-                                                     seed=7)
-    finally:
-        torch.set_num_threads(threads)
+    ref = Decoder(target, drafter, 512).generate(PROMPT, method="ddtree", budget=8, sampling=sp, max_new_tokens=16,
+                                                 seed=7)
     rec = run_generate_tp(dict(target=str(tdir), drafter=str(ddir), method="ddtree", budget=8, max_new_tokens=16,
                                temperature=0.8, top_p=0.95, top_k=20, seed=7, dtype="float32", max_length=512,
                                prompt_ids=PROMPT, stop_ids=[], tp=W, device_type="cpu"))
@@ -235,7 +225,7 @@ def test_tp_nccl_generate_matches_single_gpu(pair_dirs, use_graphs):
         assert rec.token_ids == ref.token_ids, job
 
 
-def test_tp_compiled_layers_match_single_process(pair_dirs):
+def test_tp_compiled_layers_match_single_process(pair_dirs, one_thread):
     """The compiled tensor-parallel layers (two compiled halves around each all-reduce, what a GPU
     TP run uses by default) give the single process's greedy ddtree tokens, over gloo on CPU."""
     import shutil
@@ -244,19 +234,14 @@ def test_tp_compiled_layers_match_single_process(pair_dirs):
         pytest.skip("torch.compile on CPU needs a C++ compiler (g++/clang++), none on PATH")
     tdir, ddir, target, drafter = pair_dirs
     dec = Decoder(target, drafter, 512)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = dec.generate(PROMPT, method="ddtree", budget=8, sampling=SamplingParams(), max_new_tokens=16, seed=0)
-    finally:
-        torch.set_num_threads(threads)
+    ref = dec.generate(PROMPT, method="ddtree", budget=8, sampling=SamplingParams(), max_new_tokens=16, seed=0)
     rec = run_generate_tp(dict(target=str(tdir), drafter=str(ddir), method="ddtree", budget=8, max_new_tokens=16,
                                temperature=0.0, top_p=1.0, top_k=0, seed=0, dtype="float32", max_length=512,
                                prompt_ids=PROMPT, stop_ids=[], tp=W, device_type="cpu", compile=True))
     assert rec.token_ids == ref.token_ids
 
 
-def test_tp_triton_kernels_match_single_process(pair_dirs, monkeypatch):
+def test_tp_triton_kernels_match_single_process(pair_dirs, one_thread, monkeypatch):
     """The Triton GDN step and commit kernels on each rank's half of the GDN heads (run by Triton's
     interpreter in the gloo workers) give the single process's torch-path greedy tokens."""
     from ddtree import triton_gdn
@@ -265,13 +250,8 @@ def test_tp_triton_kernels_match_single_process(pair_dirs, monkeypatch):
         pytest.skip("needs triton with TRITON_INTERPRET=1 (tests/conftest.py sets it on machines without a GPU)")
     tdir, ddir, target, drafter = pair_dirs
     dec = Decoder(target, drafter, 512)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        refs = {m: dec.generate(PROMPT, method=m, budget=8, sampling=SamplingParams(), max_new_tokens=16, seed=0)
-                for m in ("ar", "ddtree")}
-    finally:
-        torch.set_num_threads(threads)
+    refs = {m: dec.generate(PROMPT, method=m, budget=8, sampling=SamplingParams(), max_new_tokens=16, seed=0)
+            for m in ("ar", "ddtree")}
     monkeypatch.setenv("DDTREE_TRITON_ON_CPU", "1")
     for method, ref in refs.items():
         rec = run_generate_tp(dict(target=str(tdir), drafter=str(ddir), method=method, budget=8, max_new_tokens=16,
