@@ -382,7 +382,7 @@ def bench(
     raw: Optional[bool] = typer.Option(None, "--raw/--no-raw", help="No chat template (default: no-raw).", show_default=False),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="enable_thinking in the chat template (default: thinking).", show_default=False),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N prompts."),
-    warmup: int = typer.Option(1, "--warmup", help="Uncounted warm-up generations per run."),
+    warmup: int = typer.Option(1, "--warmup", help="Uncounted warm-up rounds per run (each generates the shortest and the longest prompt in full, so every graph is captured before timing)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Result JSON (ddtree.stats/1) (default: results/bench.json).", dir_okay=False),
     top1_first: bool = typer.Option(False, "--top1-first", help="Grow the drafter's top-1 chain first."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel degree (not supported by bench yet).", hidden=True),

@@ -23,12 +23,14 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ddtree import triton_gdn
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.sampling import SamplingParams, choose
 from ddtree.stats import GenerationRecord, RoundRecord
 from ddtree.target import TargetModel
 from ddtree.tree import Tree, build_tree, build_tree_device, device_tree_fits
+from ddtree.triton_tree import build_tree_kernel
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -92,7 +94,8 @@ class _Draft:
     topk_ids: np.ndarray | None  # [D, K] int64
 
 
-AUTO_BUDGETS = (4, 8, 15, 32, 64, 128)  # 15 draft nodes = the block-16 chain's verify size
+AUTO_BUDGETS = (4, 8, 15, 32, 64)  # 15 draft nodes = the block-16 chain's verify size
+AUTO_TOPK = 32  # drafter top-k columns of auto's trees (a 64-node tree rarely needs a 33rd token per position)
 
 
 class BudgetChooser:
@@ -116,10 +119,10 @@ class BudgetChooser:
     def pick(self, scores: list[float]) -> tuple[int, float]:
         """scores: path log-probabilities of a best-first tree's nodes (root first).
         -> (budget, its predicted accepted length E_q)."""
-        eq = {}
-        probs = [math.exp(x) for x in scores[1:]]
-        for b in sorted(self.verify_ms):
-            eq[b] = sum(probs[:b])
+        return self.pick_eq(expected_accepts(scores, self.verify_ms))
+
+    def pick_eq(self, eq: dict[int, float]) -> tuple[int, float]:
+        """eq: budget -> E_q(budget) of the tree at hand (or the latest one seen)."""
         r = self.acc / self.pred
         best = max(self.verify_ms, key=lambda b: (1 + r * eq[b]) / (self.verify_ms[b] + self.fixed_ms))
         return best, eq[best]
@@ -130,6 +133,12 @@ class BudgetChooser:
         fixed = max(wall_ms - self.verify_ms[budget], 0.0)
         self.fixed_ms = fixed if self.n == 0 else d * self.fixed_ms + (1 - d) * fixed
         self.n += 1
+
+
+def expected_accepts(scores: list[float], budgets) -> dict[int, float]:
+    """E_q(b): the sum of the first b draft nodes' path probabilities (scores: root first)."""
+    probs = [math.exp(x) for x in scores[1:]]
+    return {b: sum(probs[:b]) for b in sorted(budgets)}
 
 
 _COMPILE_NOTICE: list = []  # the compile notice is logged once per process
@@ -232,6 +241,7 @@ class Decoder:
         self._outs: dict = {}
         self._vsteps: dict = {}  # verify key -> {device: GDNGroup.step of that verify}
         self._walks: dict = {}  # P -> static walk buffers (see _walk_buf)
+        self._verify_cost: dict = {}  # --budget auto: (context bucket, greedy, near the end) -> {budget: verify ms}
         # ar: launch step r + 1 before reading step r (see _ar_rounds). dflash / fixed-budget ddtree:
         # the next tree is built on the device and round r + 1 is launched before round r is read
         # (see _ahead_rounds). False (or DDTREE_HOST_ROUNDS=1): the host-tree round loop, their twin.
@@ -264,6 +274,12 @@ class Decoder:
         if T not in self._slots:
             self._slots[T] = _Slot(T, self.target.device)
         return self._slots[T]
+
+    def _stage(self, T: int) -> _Slot:
+        """Auto's staging tree of T nodes (rounds ahead): never verified itself, only copied from."""
+        if -T not in self._slots:
+            self._slots[-T] = _Slot(T, self.target.device)
+        return self._slots[-T]
 
     def _verify(self, slot: _Slot, kv_len: int, greedy: bool, taps: bool):
         """Target forward over the tree in `slot`. -> (logits [T, V], taps [T, *] | None)."""
@@ -382,8 +398,13 @@ class Decoder:
         return self._outs[key]
 
     def _calibrate(self, start: int, greedy: bool) -> BudgetChooser:
-        """Time one verify per candidate budget on the live state (verify commits nothing)."""
+        """Time one verify per candidate budget on the live state (verify commits nothing); once
+        per context bucket and decoder (the cost does not depend on the tokens)."""
         dev = self.target.device
+        key = (min(_bucket(start + max(AUTO_BUDGETS) + 1, self.bucket), self.max_len), greedy,
+               start + max(AUTO_BUDGETS) + 1 + self.block_size > self.max_len)
+        if key in self._verify_cost:
+            return BudgetChooser(dict(self._verify_cost[key]))
         verify_ms = {}
         for b in AUTO_BUDGETS:
             T = b + 1
@@ -402,7 +423,10 @@ class Decoder:
                 sync(dev)
                 times.append((time.perf_counter() - t0) * 1e3)
             verify_ms[b] = sorted(times)[1]
-        return BudgetChooser(verify_ms)
+        if key[2]:  # near max_len some budgets were left out: not cached
+            return BudgetChooser(verify_ms)
+        self._verify_cost[key] = verify_ms
+        return BudgetChooser(dict(verify_ms))
 
     def _snapshot(self, keep=()):
         """Everything a round mutates: start_d, GDN states, the drafter's length, and the K/V
@@ -468,7 +492,7 @@ class Decoder:
         if seed is not None:
             gen = torch.Generator(device=dev)
             gen.manual_seed(seed)
-        k = min(budget, tgt.cfg.vocab_size) if method == "ddtree" else 1
+        k = min(AUTO_TOPK if auto else budget, tgt.cfg.vocab_size) if method == "ddtree" else 1
         taps_on = method != "ar"
         tgt.reset()
         tgt.compile_layers = self.compile
@@ -509,10 +533,14 @@ class Decoder:
         if method == "ar" and self.pipeline_ar and not stopped:
             self._ar_rounds(out, start, max_new_tokens, stop_ids, sampling, gen, on_tokens, clock, rounds, pending_times)
             stopped = True  # done: skip the round loop below
-        elif (method in ("dflash", "ddtree") and self.rounds_ahead and not stopped and not auto and not top1_first
-              and len(out) < max_new_tokens and (method == "dflash" or device_tree_fits(depth, k, budget))):
-            self._ahead_rounds(method, budget, self._tree(method, bonus, draft, budget, False), out, start,
-                               max_new_tokens, stop_ids, sampling, gen, on_tokens, clock, rounds, pending_times, k)
+        elif (method in ("dflash", "ddtree") and self.rounds_ahead and not stopped and not top1_first
+              and len(out) < max_new_tokens and (chooser is None or chooser.verify_ms)
+              and (method == "dflash" or device_tree_fits(depth, k, max(chooser.verify_ms) if auto else budget))):
+            tree = self._tree(method, bonus, draft, budget, False)
+            if chooser is not None:
+                tree = tree.truncate(max(chooser.verify_ms) + 1)
+            self._ahead_rounds(method, budget, tree, out, start, max_new_tokens, stop_ids, sampling, gen, on_tokens,
+                               clock, rounds, pending_times, k, chooser)
             stopped = True
         backlog = None  # the last round's bookkeeping: done while the device runs the next round
 
@@ -619,63 +647,117 @@ class Decoder:
             if stopped:
                 break
 
-    def _step_ahead(self, slot: _Slot, taps, P: int, draft_kv: int, k: int, sp: SamplingParams, budget: int | None):
+    def _step_ahead(self, slot: _Slot, taps, P: int, draft_kv: int, k: int, sp: SamplingParams, budget: int | None,
+                    into: _Slot | None = None, auto_budgets: tuple = ()):
         """Everything after a verify when rounds run ahead, in one graph: walk, commit, drafter,
-        and the next tree written into `slot` on the device (budget None: the DFlash chain).
-        -> packed floats: [n, bonus, path tokens (P), path ranks (P), next tree's depth]."""
-        slot._shape = (None, None)  # this rewrites the slot's tree: no upload shortcut for the next host load
+        and the next tree written into `into` (default `slot`) on the device (budget None: the
+        DFlash chain). auto_budgets: `into` is auto's staging tree (of the largest budget); each
+        budget b's prefix (its best-first tree) is summarised for the host's choice.
+        -> packed floats: [n, bonus, path tokens (P), path ranks (P), next tree's depth], or with
+        auto_budgets [..., E_q(b) per budget, depth of b's prefix per budget] in place of the depth."""
+        into = slot if into is None else into
+        slot._shape = into._shape = (None, None)  # rewritten on the device: no upload shortcut for a host load
         path, n, bonus = self._walk(slot, P)
         parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(),
                  slot.ranks.index_select(0, path).float()]
         self._commit(P)
         self.drafter.add_context(taps.index_select(0, path.to(taps.device)), n)
         lp, ids = self._draft_topk(bonus, draft_kv, k, sp)
-        ids = ids.to(slot.tokens.device)
+        ids = ids.to(into.tokens.device)
         if budget is None:  # the chain: bonus, then the drafter's top-1 per position (shape unchanged)
-            slot.tokens.copy_(torch.cat([bonus.view(1), ids[:, 0]]))
-            depth = torch.full((1,), slot.tokens.shape[0] - 1, device=slot.tokens.device)
+            into.tokens.copy_(torch.cat([bonus.view(1), ids[:, 0]]))
+            depth = torch.full((1,), into.tokens.shape[0] - 1, device=into.tokens.device)
         else:
-            tokens, depths, parents, ranks, mask, d = build_tree_device(bonus, lp.to(ids.device), ids, budget)
-            slot.ints.copy_(torch.stack([tokens, depths, parents]))
-            slot.ranks.copy_(ranks)
-            slot.mask.copy_(mask)
-            depth = d.view(1)
+            lp = lp.to(ids.device)
+            if triton_gdn.available(lp):  # one kernel, straight into the slot (twin: the torch builder below)
+                depth = torch.empty(1, dtype=torch.long, device=lp.device)
+                build_tree_kernel(bonus, lp, ids, budget, out=(into.tokens, into.depths, into.parents, into.ranks,
+                                                               into.mask, depth))
+            else:
+                tokens, depths, parents, ranks, mask, d = build_tree_device(bonus, lp, ids, budget)
+                into.ints.copy_(torch.stack([tokens, depths, parents]))
+                into.ranks.copy_(ranks)
+                into.mask.copy_(mask)
+                depth = d.view(1)
+            if auto_budgets:  # per budget b: E_q(b) (node path probabilities summed) and the prefix's depth
+                node_lp = lp[(into.depths - 1).clamp(min=0), into.ranks] * (into.depths > 0)  # [T]
+                cum = torch.cumsum((into.mask.float() @ node_lp)[1:].exp(), 0)  # [T - 1]
+                cdepth = torch.cummax(into.depths, 0).values
+                depth = torch.cat([torch.stack([cum[b - 1] for b in auto_budgets]),
+                                   torch.stack([cdepth[b] for b in auto_budgets]).float()])
         return torch.cat(parts + [depth.float()])
 
+    def _trunc(self, stage: _Slot, slot: _Slot):
+        """Auto's tree for this round: the first T nodes of the staging tree (a best-first tree's
+        prefix is the best-first tree of that budget)."""
+        T = slot.tokens.shape[0]
+        slot.ints.copy_(stage.ints[:, :T])
+        slot.ranks.copy_(stage.ranks[:T])
+        slot.mask.copy_(stage.mask[:T, :T])
+
     def _ahead_rounds(self, method, budget, tree: Tree, out, start, max_new_tokens, stop_ids, sampling, gen,
-                      on_tokens, clock, rounds, pending_times, k: int):
-        """`dflash` and fixed-budget `ddtree` with the tree built on the device: round r + 1 is queued
-        before the host reads round r (one pinned copy + event per round, as in `_ar_rounds`), so the
-        host's work overlaps the device's. Reference twin: the round loop (rounds_ahead=False)."""
-        T, P = tree.num_nodes, self.block_size
-        slot = self._slot(T)
-        slot.load(tree)
-        slot.ranks.copy_(tree.ranks.to(slot.ranks.device))
-        b = None if method == "dflash" else budget
-        if b is not None:
-            slot._shape = (None, None)  # the device will rewrite the tree's shape: no upload shortcut later
-        ring = _HostRing(2 + 2 * P + 1, self.target.device)
-        depths = {0: int(tree.depths.max())}
+                      on_tokens, clock, rounds, pending_times, k: int, chooser: BudgetChooser | None = None):
+        """`dflash` and `ddtree` with the tree built on the device: round r + 1 is queued before the
+        host reads round r (one pinned copy + event per round, as in `_ar_rounds`), so the host's
+        work overlaps the device's. Reference twin: the round loop (rounds_ahead=False).
+
+        --budget auto (chooser): every round builds the tree of the largest budget into a staging
+        slot; the host picks round r + 1's budget when it queues it (from the acceptance seen in
+        the rounds read so far and the latest tree's E_q curve) and a tiny graph copies that
+        prefix into the budget's own slot."""
+        P = self.block_size
+        budgets = tuple(sorted(chooser.verify_ms)) if chooser is not None else ()
+        if budgets:
+            stage = self._stage(budgets[-1] + 1)
+            stage.load(tree)
+            stage.ranks.copy_(tree.ranks.to(stage.ranks.device))
+            stage._shape = (None, None)
+            # per round: (E_q per budget, depth per budget) of its tree; round 0's from the host tree
+            summary = {0: (expected_accepts(tree.scores, budgets), {b: int(tree.depths[: b + 1].max()) for b in budgets})}
+            b_build, T0 = budgets[-1], None
+        else:
+            T0 = tree.num_nodes
+            slot = self._slot(T0)
+            slot.load(tree)
+            slot.ranks.copy_(tree.ranks.to(slot.ranks.device))
+            b_build = None if method == "dflash" else budget
+            if b_build is not None:
+                slot._shape = (None, None)  # the device will rewrite the tree's shape: no upload shortcut later
+            summary = {0: int(tree.depths.max())}  # per round: its tree's depth
+        nb = len(budgets)
+        ring = _HostRing(2 + 2 * P + max(1, 2 * nb), self.target.device)
+        sizes: dict = {}  # round -> its tree size
+        latest = [summary[0][0] if budgets else None]  # auto: E_q per budget of the newest tree the host has read
 
         def launch(r: int, start_bound: int):
+            if budgets:  # round r's budget, from what the host knows now (round r's own tree may still be in flight)
+                T = chooser.pick_eq(latest[0])[0] + 1
+                slot = self._slot(T)
+                slot._shape = (None, None)
+                self._run(("trunc", T, b_build), lambda: self._trunc(stage, slot))
+            else:
+                T, slot = T0, self._slot(T0)
+            sizes[r] = T
+            into = stage if budgets else slot
             kv_len = min(_bucket(start_bound + T, self.bucket), self.max_len)
             draft_kv = min(_bucket(start_bound + P, self.bucket), self.max_len)
             e0 = clock.now()
             vkey, _, taps = self._verify_choose(slot, kv_len, sampling, gen, True)
             e1 = clock.now()
-            packed = self._run(("ahead", vkey, P, draft_kv, k, sampling, b),
-                               lambda: self._step_ahead(slot, taps, P, draft_kv, k, sampling, b),
-                               keep=(slot.ints, slot.mask, slot.ranks))  # the step rewrites its own inputs
+            packed = self._run(("ahead", vkey, P, draft_kv, k, sampling, b_build, into.tokens.shape[0], budgets),
+                               lambda: self._step_ahead(slot, taps, P, draft_kv, k, sampling, b_build, into, budgets),
+                               keep=(into.ints, into.mask, into.ranks))  # the step rewrites its own inputs
             e2 = clock.now()
             ring.put(r, packed)
             return [("verify", e0, e1), ("draft", e1, e2)]
 
+        T_max = budgets[-1] + 1 if budgets else T0
         marks = {0: launch(0, start)}
-        r = 0
+        r, t_last = 0, time.perf_counter()
         while True:
             h0 = time.perf_counter()
             # round r + 1 may start at most P past round r's start: launch it now if that fits
-            ahead = len(out) + 1 < max_new_tokens and start + P + T + P <= self.max_len
+            ahead = len(out) + 1 < max_new_tokens and start + P + T_max + P <= self.max_len
             if ahead:
                 marks[r + 1] = launch(r + 1, start + P)
             w0 = time.perf_counter()
@@ -684,13 +766,24 @@ class Decoder:
             n, bonus = int(h[0]), int(h[1])
             path_tok = [int(x) for x in h[2 : 2 + n]]
             ranks = [int(x) for x in h[2 + P + 1 : 2 + P + n]]
-            depths[r + 1] = int(h[2 + 2 * P])
+            T, o = sizes.pop(r), 2 + 2 * P
+            if budgets:  # this round's outcome against its tree's prediction; the next tree's summary
+                eq, depth_of = summary.pop(r)
+                depth = depth_of[T - 1]
+                now = time.perf_counter()
+                chooser.update(T - 1, eq[T - 1], n - 1, (now - t_last) * 1e3)
+                t_last = now
+                summary[r + 1] = (dict(zip(budgets, h[o : o + nb])), {b: int(x) for b, x in zip(budgets, h[o + nb : o + 2 * nb])})
+                latest[0] = summary[r + 1][0]
+            else:
+                depth = summary.pop(r)
+                summary[r + 1] = int(h[o])
             start += n
             toks, stopped = _emit(path_tok[1:] + [bonus], max_new_tokens - len(out), stop_ids)
             out.extend(toks)
             if on_tokens:
                 on_tokens(toks)
-            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=depths.pop(r), accepted=n - 1, accepted_ranks=ranks,
+            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=depth, accepted=n - 1, accepted_ranks=ranks,
                                       committed=len(toks), times_ms={}))
             pending_times.append(marks.pop(r) + [("host", (time.perf_counter() - h0 - wait_s) * 1e3)])
             if stopped or len(out) >= max_new_tokens:

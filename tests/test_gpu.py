@@ -19,11 +19,36 @@ def test_graphs_equal_eager_and_cpu(kind):
     eager = Decoder(dec_gpu.target, dec_gpu.drafter, use_graphs=False)
     prompt = torch.randint(2, 97, (300,)).tolist()  # crosses a 256 context bucket while decoding
     ref = dec_cpu.generate(prompt, "ar", max_new_tokens=40).token_ids
-    for method, budget in [("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", 64)]:
+    for method, budget in [("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", 64), ("ddtree", "auto")]:
         g = dec_gpu.generate(prompt, method, budget=budget, max_new_tokens=40)
         e = eager.generate(prompt, method, budget=budget, max_new_tokens=40)
         assert g.token_ids == e.token_ids == ref, (method, budget)
     assert dec_gpu.compile and not eager.compile, "graphed rounds run the compiled layers, eager ones do not"
+
+
+def test_graphed_auto_switching_equals_eager_host_loop(monkeypatch):
+    """--budget auto under CUDA graphs (rounds ahead, the tree kernel, the prefix-copy graph) with the
+    chooser forced to switch budget every round, against eager host-tree rounds with the same
+    switches: the same tokens and records, greedy and sampled."""
+    from ddtree.decoding import BudgetChooser
+
+    cycle = [15, 4, 64, 8, 32, 64, 4]
+
+    def forced(self, eq):
+        self.calls = getattr(self, "calls", -1) + 1
+        b = cycle[self.calls % len(cycle)]
+        return b, eq[b]
+
+    monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
+    dec, _ = build_random_pair("hybrid", seed=5, device="cuda")
+    eager = Decoder(dec.target, dec.drafter, use_graphs=False)
+    eager.rounds_ahead = False
+    prompt = torch.randint(2, 97, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    for sp in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)):
+        got = [d.generate(prompt, "ddtree", budget="auto", sampling=sp, max_new_tokens=48, seed=2) for d in (dec, eager)]
+        recs = [[(r.tree_size, r.tree_depth, r.accepted, r.accepted_ranks) for r in g.rounds] for g in got]
+        assert got[0].token_ids == got[1].token_ids and recs[0] == recs[1]
+        assert [r[0] for r in recs[0][:4]] == cycle[:4]
 
 
 def test_cuda_compiled_layers_match_eager():

@@ -1,0 +1,110 @@
+"""The one-kernel device tree builder (ddtree.triton_tree) against its twins: build_tree's heap and
+the torch build_tree_device. Compiled on a GPU; without one under Triton's interpreter on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton not installed (pip install triton): its interpreter runs these on CPU")
+
+from ddtree import triton_gdn  # noqa: E402
+from ddtree.tree import ancestor_mask_from_parents, build_tree, build_tree_device, device_tree_fits  # noqa: E402
+from ddtree.triton_tree import build_tree_kernel, pruned_pairs  # noqa: E402
+
+DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+if DEV.type == "cpu" and not triton_gdn.interpreter_on():
+    pytest.skip("TRITON_INTERPRET=1 was not set before triton's import (tests/conftest.py sets it without a GPU)",
+                allow_module_level=True)
+
+
+def _configs(n: int, seed: int, real: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    out = [(15, 32, 32), (15, 64, 64), (15, 16, 16), (15, 8, 8), (1, 4, 4), (2, 6, 42)] if real else []
+    while len(out) < n:
+        D, K, B = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 16), (1, 40), (1, 70)))
+        if device_tree_fits(D, K, B):
+            out.append((D, K, B))
+    return out
+
+
+def _kernel_tree(lp, ids, B, root=7):
+    t = build_tree_kernel(torch.tensor(root, device=DEV), lp.to(DEV), ids.to(DEV), B)
+    return [x.cpu() for x in t]
+
+
+def test_kernel_equals_heap_without_ties():
+    """Random depths, top-k widths and budgets (beams narrower than the budget included) and the
+    real shapes (15 positions, K = budget = 8..64): every output equals the heap's tree."""
+    g = torch.Generator().manual_seed(1)
+    for D, K, B in _configs(60, 11):
+        lp, ids = torch.log_softmax(torch.randn(D, 300, generator=g) * 3, -1).topk(K, -1)
+        ref = build_tree(7, lp, ids, B)
+        tokens, depths, parents, ranks, mask, depth = _kernel_tree(lp, ids, B)
+        for name, got, want in (("tokens", tokens, ref.tokens), ("depths", depths, ref.depths),
+                                ("parents", parents, ref.parents), ("ranks", ranks, ref.ranks),
+                                ("mask", mask, ref.ancestor_mask)):
+            assert torch.equal(got, want), (name, D, K, B)
+        assert int(depth) == int(ref.depths.max())
+
+
+def test_kernel_with_ties_builds_a_best_first_tree():
+    """Log-probs on a coarse grid (many exact ties, including zeros): the tree may differ from the
+    heap's among tied nodes, but it is a valid best-first tree: parents first, distinct prefixes,
+    tokens / ranks / depths / mask consistent, and the same multiset of node scores as the heap
+    and the torch device builder (the best B prefixes)."""
+    g = torch.Generator().manual_seed(2)
+    for D, K, B in _configs(40, 12):
+        lp = -(torch.randint(0, 4, (D, K), generator=g).float() * 0.5).sort(-1).values  # descending, tied
+        ids = torch.randint(0, 1000, (D, K), generator=g)
+        tokens, depths, parents, ranks, mask, depth = _kernel_tree(lp, ids, B)
+        assert parents[0] == -1 and depths[0] == 0 and tokens[0] == 7
+        assert all(0 <= parents[n] < n for n in range(1, B + 1)), (D, K, B)
+        assert torch.equal(depths[1:], depths[parents[1:]] + 1)
+        assert torch.equal(mask, ancestor_mask_from_parents(parents))
+        assert torch.equal(tokens[1:], ids[depths[1:] - 1, ranks[1:]])
+        prefixes, score = {0: ()}, {0: 0.0}
+        for n in range(1, B + 1):
+            prefixes[n] = prefixes[int(parents[n])] + (int(ranks[n]),)
+            score[n] = score[int(parents[n])] + float(lp[depths[n] - 1, ranks[n]])
+        assert len(set(prefixes.values())) == B + 1
+        assert all(score[n] >= score[n + 1] for n in range(1, B)), "nodes in best-first order"
+        assert int(depth) == int(depths.max())
+        heap = build_tree(7, lp, ids, B)
+        t_dev = build_tree_device(torch.tensor(7), lp, ids, B)
+        dev = _path_scores(t_dev[2], t_dev[1], t_dev[3], lp)
+        assert sorted(score.values()) == sorted(_path_scores(heap.parents, heap.depths, heap.ranks, lp).values()) \
+            == sorted(dev.values()), (D, K, B)
+
+
+def _path_scores(parents, depths, ranks, lp):
+    s = {0: 0.0}
+    for n in range(1, parents.shape[0]):
+        s[n] = s[int(parents[n])] + float(lp[depths[n] - 1, ranks[n]])
+    return s
+
+
+def test_kernel_writes_into_given_buffers():
+    """The decoder passes its slot's rows (strided views of one [3, T] buffer) and mask: written in
+    place, nothing else touched."""
+    D, K, B = 15, 32, 32
+    g = torch.Generator().manual_seed(3)
+    lp, ids = torch.log_softmax(torch.randn(D, 300, generator=g) * 3, -1).topk(K, -1)
+    ints = torch.full((3, B + 1), -5, dtype=torch.long, device=DEV)
+    ranks = torch.full((B + 1,), -5, dtype=torch.long, device=DEV)
+    mask = torch.ones(B + 1, B + 1, dtype=torch.bool, device=DEV)
+    depth = torch.zeros(1, dtype=torch.long, device=DEV)
+    build_tree_kernel(torch.tensor(7, device=DEV), lp.to(DEV), ids.to(DEV), B,
+                      out=(ints[0], ints[1], ints[2], ranks, mask, depth))
+    ref = build_tree(7, lp, ids, B)
+    assert torch.equal(ints.cpu(), torch.stack([ref.tokens, ref.depths, ref.parents]))
+    assert torch.equal(ranks.cpu(), ref.ranks) and torch.equal(mask.cpu(), ref.ancestor_mask)
+    assert int(depth) == int(ref.depths.max())
+
+
+def test_pruned_pairs_bound():
+    """The per-depth candidate count the kernel sizes its buffers by: pairs with (i+1)(j+1) <= B."""
+    assert pruned_pairs(1, 1) == 1 and pruned_pairs(4, 4) == 4 + 2 + 1 + 1
+    for B in (8, 32, 64):
+        brute = sum(1 for i in range(B) for j in range(B) if (i + 1) * (j + 1) <= B)
+        assert pruned_pairs(B, B) == brute
