@@ -30,7 +30,7 @@ from ddtree.sampling import SamplingParams, choose
 from ddtree.stats import GenerationRecord, RoundRecord
 from ddtree.target import TargetModel
 from ddtree.tree import Tree, build_tree, build_tree_device, device_tree_fits
-from ddtree.triton_tree import build_tree_kernel
+from ddtree.triton_tree import build_tree_kernel, tree_summary
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -651,10 +651,10 @@ class Decoder:
                     into: _Slot | None = None, auto_budgets: tuple = ()):
         """Everything after a verify when rounds run ahead, in one graph: walk, commit, drafter,
         and the next tree written into `into` (default `slot`) on the device (budget None: the
-        DFlash chain). auto_budgets: `into` is auto's staging tree (of the largest budget); each
-        budget b's prefix (its best-first tree) is summarised for the host's choice.
+        DFlash chain). auto_budgets: `into` is auto's staging tree (of the largest budget B); each
+        prefix of b = 1..B draft nodes (the best-first tree of budget b) is summarised for the host.
         -> packed floats: [n, bonus, path tokens (P), path ranks (P), next tree's depth], or with
-        auto_budgets [..., E_q(b) per budget, depth of b's prefix per budget] in place of the depth."""
+        auto_budgets [..., E_q(b) for b = 1..B, depth of b's prefix for b = 1..B] in place of the depth."""
         into = slot if into is None else into
         slot._shape = into._shape = (None, None)  # rewritten on the device: no upload shortcut for a host load
         path, n, bonus = self._walk(slot, P)
@@ -669,22 +669,23 @@ class Decoder:
             depth = torch.full((1,), into.tokens.shape[0] - 1, device=into.tokens.device)
         else:
             lp = lp.to(ids.device)
+            # auto: per prefix of b draft nodes, E_q(b) and its depth, for the host's choice of budget
+            summary = (torch.empty(budget, device=lp.device), torch.empty(budget, dtype=torch.long, device=lp.device)) \
+                if auto_budgets else None
             if triton_gdn.available(lp):  # one kernel, straight into the slot (twin: the torch builder below)
                 depth = torch.empty(1, dtype=torch.long, device=lp.device)
                 build_tree_kernel(bonus, lp, ids, budget, out=(into.tokens, into.depths, into.parents, into.ranks,
-                                                               into.mask, depth))
+                                                               into.mask, depth), summary=summary)
             else:
                 tokens, depths, parents, ranks, mask, d = build_tree_device(bonus, lp, ids, budget)
                 into.ints.copy_(torch.stack([tokens, depths, parents]))
                 into.ranks.copy_(ranks)
                 into.mask.copy_(mask)
                 depth = d.view(1)
-            if auto_budgets:  # per budget b: E_q(b) (node path probabilities summed) and the prefix's depth
-                node_lp = lp[(into.depths - 1).clamp(min=0), into.ranks] * (into.depths > 0)  # [T]
-                cum = torch.cumsum((into.mask.float() @ node_lp)[1:].exp(), 0)  # [T - 1]
-                cdepth = torch.cummax(into.depths, 0).values
-                depth = torch.cat([torch.stack([cum[b - 1] for b in auto_budgets]),
-                                   torch.stack([cdepth[b] for b in auto_budgets]).float()])
+                if summary is not None:
+                    summary = tree_summary(lp, depths, ranks, mask)
+            if summary is not None:
+                depth = torch.cat([summary[0], summary[1].float()])
         return torch.cat(parts + [depth.float()])
 
     def _trunc(self, stage: _Slot, slot: _Slot):
@@ -724,7 +725,7 @@ class Decoder:
             if b_build is not None:
                 slot._shape = (None, None)  # the device will rewrite the tree's shape: no upload shortcut later
             summary = {0: int(tree.depths.max())}  # per round: its tree's depth
-        nb = len(budgets)
+        nb = budgets[-1] if budgets else 0  # auto: the summary covers every prefix of the staged tree
         ring = _HostRing(2 + 2 * P + max(1, 2 * nb), self.target.device)
         sizes: dict = {}  # round -> its tree size
         latest = [summary[0][0] if budgets else None]  # auto: E_q per budget of the newest tree the host has read
@@ -773,7 +774,7 @@ class Decoder:
                 now = time.perf_counter()
                 chooser.update(T - 1, eq[T - 1], n - 1, (now - t_last) * 1e3)
                 t_last = now
-                summary[r + 1] = (dict(zip(budgets, h[o : o + nb])), {b: int(x) for b, x in zip(budgets, h[o + nb : o + 2 * nb])})
+                summary[r + 1] = ({b: h[o + b - 1] for b in budgets}, {b: int(h[o + nb + b - 1]) for b in budgets})
                 latest[0] = summary[r + 1][0]
             else:
                 depth = summary.pop(r)

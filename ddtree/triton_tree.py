@@ -33,11 +33,11 @@ def pruned_pairs(budget: int, kb: int) -> int:
 
 
 def _tree_kernel(
-    lp, ids, root, tokens_out, depths_out, parents_out, ranks_out, mask_out, depth_out,
+    lp, ids, root, tokens_out, depths_out, parents_out, ranks_out, mask_out, depth_out, eq_out, dcum_out,
     sc, ps, rk, cand, cscore, wsz, node,  # scratch: slot score / parent slot / rank [D*BB], compacted [NP], W [D], node [D*BB]
     D: tl.constexpr, K: tl.constexpr, B: tl.constexpr, KBV: tl.constexpr,  # depths, lp's row length, budget, Kb = min(K, B)
     BB: tl.constexpr, KB: tl.constexpr, NP: tl.constexpr, GP: tl.constexpr, TP: tl.constexpr,
-    QB: tl.constexpr,
+    QB: tl.constexpr, SUMMARY: tl.constexpr,
 ):
     T = B + 1
     # ---- zero the ancestor mask (set in the last phase, after barriers)
@@ -89,6 +89,8 @@ def _tree_kernel(
     ve = (de < D) & (ie < tl.load(wsz + de, mask=de < D, other=0))
     s_e = tl.load(sc + oe, mask=ve, other=0.0)
     grank = tl.zeros([GP], dtype=tl.int32)
+    ahead_p = tl.zeros([GP], dtype=tl.float32)  # SUMMARY: path probabilities of the nodes before this one
+    ahead_d = tl.zeros([GP], dtype=tl.int32)  # and their deepest depth
     for q0 in tl.static_range(0, GP, QB):
         oq = q0 + tl.arange(0, QB)
         dq = oq // BB
@@ -96,8 +98,14 @@ def _tree_kernel(
         s_q = tl.load(sc + oq, mask=vq, other=0.0)
         beats = vq[None, :] & ((s_q[None, :] > s_e[:, None]) | ((s_q[None, :] == s_e[:, None]) & (oq[None, :] < oe[:, None])))
         grank += tl.sum(beats.to(tl.int32), 1)
+        if SUMMARY:
+            ahead_p += tl.sum(tl.where(beats, tl.exp(s_q)[None, :], 0.0), 1)
+            ahead_d = tl.maximum(ahead_d, tl.max(tl.where(beats, dq[None, :] + 1, 0), 1))
     sel = ve & (grank < B)
     nid = grank + 1
+    if SUMMARY:  # E_q and depth of the best-first tree of nid draft nodes (auto's choice of budget)
+        tl.store(eq_out + grank, ahead_p + tl.exp(s_e), mask=sel)
+        tl.store(dcum_out + grank, tl.maximum(ahead_d, de + 1).to(tl.int64), mask=sel)
     tl.store(node + oe, nid, mask=sel)
     r_e = tl.load(rk + oe, mask=sel, other=0)
     tl.store(tokens_out + nid, tl.load(ids + de * K + r_e, mask=sel, other=0).to(tl.int64), mask=sel)
@@ -124,10 +132,12 @@ def _tree_kernel(
 
 
 def build_tree_kernel(root: torch.Tensor, topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int,
-                      out: tuple | None = None):
+                      out: tuple | None = None, summary: tuple | None = None):
     """`tree.build_tree_device` in one kernel. out: optional (tokens, depths, parents, ranks [B + 1]
     long, mask [B + 1, B + 1] bool, depth [1] long) to write into (the slot's buffers); each 1-D
-    output unit-stride, the mask contiguous. -> that tuple (depth as a 0-dim view)."""
+    output unit-stride, the mask contiguous. -> that tuple (depth as a 0-dim view).
+    summary: optional (eq [B] float32, dcum [B] long): for each prefix of b = i + 1 draft nodes,
+    E_q(b) (its nodes' path probabilities summed) and its depth (`tree_summary` is the twin)."""
     B = int(budget)
     D, K = topk_logprobs.shape
     dev = topk_logprobs.device
@@ -152,15 +162,26 @@ def build_tree_kernel(root: torch.Tensor, topk_logprobs: torch.Tensor, topk_ids:
     ib = torch.empty(4 * D * BB + NP + D, dtype=torch.int32, device=dev)
     n = D * BB
     ps, rk, node, wsz, cand = ib[:n], ib[n:2 * n], ib[2 * n:3 * n], ib[3 * n:3 * n + D], ib[4 * n:4 * n + NP]
+    if summary is not None:
+        assert summary[0].dtype == torch.float32 and summary[1].dtype == torch.long
+        assert summary[0].shape == summary[1].shape == (B,) and summary[0].is_contiguous() and summary[1].is_contiguous()
+    eq, dcum = summary if summary is not None else (sc, sc)  # unused pointers when not asked for
     kern = _kernel(_tree_kernel, interpret=not lp.is_cuda)
     with _on_device_of(lp):
         kern[(1,)](
-            lp, ids, root.reshape(1), tokens, depths, parents, ranks, mask.view(torch.int8), depth,
+            lp, ids, root.reshape(1), tokens, depths, parents, ranks, mask.view(torch.int8), depth, eq, dcum,
             sc, ps, rk, cand, cscore, wsz, node,
             D=D, K=K, B=B, KBV=kb,
-            BB=BB, KB=KB, NP=NP, GP=GP, TP=triton.next_power_of_2(B + 1), QB=QB, num_warps=8,
+            BB=BB, KB=KB, NP=NP, GP=GP, TP=triton.next_power_of_2(B + 1), QB=QB, SUMMARY=summary is not None, num_warps=8,
         )
     return tokens, depths, parents, ranks, mask, depth.view(())
+
+
+def tree_summary(lp: torch.Tensor, depths: torch.Tensor, ranks: torch.Tensor, mask: torch.Tensor):
+    """The summary's torch twin from a built best-first tree: (eq [B], dcum [B]) as above."""
+    node_lp = lp.float()[(depths - 1).clamp(min=0), ranks] * (depths > 0)  # [T]
+    eq = torch.cumsum((mask.float() @ node_lp)[1:].exp(), 0)
+    return eq, torch.cummax(depths, 0).values[1:]
 
 
 if triton is not None:

@@ -124,7 +124,7 @@ def test_commit_kernel_matches_commit_states(cfg):
             ERR.note("commit", assert_rel(got, ref, 1e-6, f"T={T} node={node}"))
 
 
-@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 8)])
+@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", "auto")])
 def test_decoding_through_the_kernels_equals_torch_path(interpret, monkeypatch, method, budget):
     """Whole decoders: greedy tokens with the kernels (AR steps fused, every commit through the
     kernel, ddtree's trees built by the tree kernel) equal the torch path's."""

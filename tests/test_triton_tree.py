@@ -10,7 +10,8 @@ pytest.importorskip("triton", reason="triton not installed (pip install triton):
 
 from ddtree import triton_gdn  # noqa: E402
 from ddtree.tree import ancestor_mask_from_parents, build_tree, build_tree_device, device_tree_fits  # noqa: E402
-from ddtree.triton_tree import build_tree_kernel, pruned_pairs  # noqa: E402
+from ddtree.decoding import expected_accepts  # noqa: E402
+from ddtree.triton_tree import build_tree_kernel, pruned_pairs, tree_summary  # noqa: E402
 
 DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 if DEV.type == "cpu" and not triton_gdn.interpreter_on():
@@ -19,6 +20,9 @@ if DEV.type == "cpu" and not triton_gdn.interpreter_on():
 
 
 def _configs(n: int, seed: int, real: bool = True):
+    """Real shapes, then random ones. On a GPU each shape is a compile (the sizes are constexpr):
+    fewer there; the interpreter on CPU takes them all."""
+    n = min(n, 14) if DEV.type == "cuda" else n
     g = torch.Generator().manual_seed(seed)
     out = [(15, 32, 32), (15, 64, 64), (15, 16, 16), (15, 8, 8), (1, 4, 4), (2, 6, 42)] if real else []
     while len(out) < n:
@@ -108,3 +112,20 @@ def test_pruned_pairs_bound():
     for B in (8, 32, 64):
         brute = sum(1 for i in range(B) for j in range(B) if (i + 1) * (j + 1) <= B)
         assert pruned_pairs(B, B) == brute
+
+
+def test_kernel_summary_equals_its_twin_and_the_heap():
+    """--budget auto's per-prefix summary computed inside the kernel (E_q of the best-first tree of
+    b nodes and its depth, b = 1..B) against tree_summary on the heap's tree and expected_accepts."""
+    g = torch.Generator().manual_seed(4)
+    for D, K, B in _configs(12, 13):
+        lp, ids = torch.log_softmax(torch.randn(D, 300, generator=g) * 3, -1).topk(K, -1)
+        ref = build_tree(7, lp, ids, B)
+        eq, dcum = torch.empty(B, device=DEV), torch.empty(B, dtype=torch.long, device=DEV)
+        build_tree_kernel(torch.tensor(7, device=DEV), lp.to(DEV), ids.to(DEV), B, summary=(eq, dcum))
+        want_eq, want_d = tree_summary(lp, ref.depths, ref.ranks, ref.ancestor_mask)
+        torch.testing.assert_close(eq.cpu(), want_eq, rtol=1e-5, atol=1e-6)
+        assert torch.equal(dcum.cpu(), want_d), (D, K, B)
+        ea = expected_accepts(ref.scores, range(1, B + 1))
+        torch.testing.assert_close(want_eq, torch.tensor([ea[b] for b in range(1, B + 1)]), rtol=1e-5, atol=1e-6)
+        assert torch.equal(want_d, torch.cummax(ref.depths, 0).values[1:])
