@@ -33,6 +33,7 @@ from ddtree.tree import Tree, build_tree, build_tree_device, device_tree_fits
 from ddtree.triton_tree import build_tree_kernel, tree_summary
 
 METHODS = ("ar", "dflash", "ddtree")
+TREE_KERNEL = {"ok": True}  # False after the Triton tree kernel failed once in this process (torch ops then)
 
 
 def walk(tokens, parents, depths, path_mask, choice, P: int):
@@ -672,11 +673,21 @@ class Decoder:
             # auto: per prefix of b draft nodes, E_q(b) and its depth, for the host's choice of budget
             summary = (torch.empty(budget, device=lp.device), torch.empty(budget, dtype=torch.long, device=lp.device)) \
                 if auto_budgets else None
-            if triton_gdn.available(lp):  # one kernel, straight into the slot (twin: the torch builder below)
+            kernel = triton_gdn.available(lp) and TREE_KERNEL["ok"]
+            if kernel:  # one kernel, straight into the slot (twin: the torch builder below)
                 depth = torch.empty(1, dtype=torch.long, device=lp.device)
-                build_tree_kernel(bonus, lp, ids, budget, out=(into.tokens, into.depths, into.parents, into.ranks,
-                                                               into.mask, depth), summary=summary)
-            else:
+                try:
+                    build_tree_kernel(bonus, lp, ids, budget, out=(into.tokens, into.depths, into.parents, into.ranks,
+                                                                   into.mask, depth), summary=summary)
+                except Exception as e:  # first use is eager (before any capture): fall back for good
+                    if lp.is_cuda and torch.cuda.is_current_stream_capturing():
+                        raise
+                    from loguru import logger
+
+                    logger.warning(f"the Triton tree kernel failed ({type(e).__name__}: {str(e)[:200]}); building trees "
+                                   "with torch ops instead (DDTREE_NO_TRITON=1 skips the kernels)")
+                    TREE_KERNEL["ok"] = kernel = False
+            if not kernel:
                 tokens, depths, parents, ranks, mask, d = build_tree_device(bonus, lp, ids, budget)
                 into.ints.copy_(torch.stack([tokens, depths, parents]))
                 into.ranks.copy_(ranks)

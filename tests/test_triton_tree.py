@@ -129,3 +129,29 @@ def test_kernel_summary_equals_its_twin_and_the_heap():
         ea = expected_accepts(ref.scores, range(1, B + 1))
         torch.testing.assert_close(want_eq, torch.tensor([ea[b] for b in range(1, B + 1)]), rtol=1e-5, atol=1e-6)
         assert torch.equal(want_d, torch.cummax(ref.depths, 0).values[1:])
+
+
+def test_decoder_falls_back_to_torch_when_the_kernel_fails(monkeypatch):
+    """A kernel that cannot compile here (an old Triton, an unknown GPU) must not break decoding:
+    the first failure is logged and trees are built with the torch twin from then on."""
+    from ddtree import decoding
+    from ddtree.testing import build_random_pair
+
+    monkeypatch.setattr(triton_gdn, "ENABLED", True)
+    monkeypatch.setattr(triton_gdn, "INTERPRET_ON_CPU", True)
+    monkeypatch.setitem(decoding.TREE_KERNEL, "ok", True)
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(decoding, "build_tree_kernel", broken)
+    monkeypatch.setattr(triton_gdn, "ENABLED", False)  # GDN kernels off: this test is about the tree kernel
+    dec, _ = build_random_pair("hybrid", seed=3)
+    monkeypatch.setattr(decoding.triton_gdn, "available", lambda t: True)
+    prompt = list(range(3, 20))
+    got = dec.generate(prompt, "ddtree", budget=8, max_new_tokens=20).token_ids
+    assert calls == [1] and decoding.TREE_KERNEL["ok"] is False
+    monkeypatch.undo()
+    assert got == dec.generate(prompt, "ar", max_new_tokens=20).token_ids
