@@ -231,11 +231,14 @@ class Decoder:
         single = len({d for d in target.layer_devices} | {target.out_device}) == 1
         self.use_graphs = (dev.type == "cuda" and single) if use_graphs is None else use_graphs
         self.bucket = bucket
-        # Compiled layers (ddtree.target.compiled_layer) by default wherever rounds are graphed;
-        # DDTREE_NO_COMPILE=1 or compile=False keeps the eager layers.
+        # Compiled layers (ddtree.target.compiled_layer) by default wherever rounds are graphed, and
+        # for a layer split over GPUs (no graphs there: fewer, fused kernels keep the host ahead of
+        # the GPUs); DDTREE_NO_COMPILE=1 or compile=False keeps the eager layers.
         if compile is None:
-            compile = self.use_graphs and os.environ.get("DDTREE_NO_COMPILE") != "1"
+            split = dev.type == "cuda" and not single
+            compile = (self.use_graphs or split) and os.environ.get("DDTREE_NO_COMPILE") != "1"
         self.compile = compile
+        self._seen: set = set()  # eager rounds: keys already run once (a compile failure falls back there)
         self.start_d = torch.zeros((), dtype=torch.long, device=dev)
         self._slots: dict[int, _Slot] = {}
         self._graphs: dict = {}
@@ -358,16 +361,41 @@ class Decoder:
             self._vsteps[key] = {dev: g.step for dev, g in self.target.gdn_groups.items()}
         return out
 
+    def _compile_failed(self, e: Exception):
+        from loguru import logger
+
+        logger.warning(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
+                       "using the eager layers (set DDTREE_NO_COMPILE=1 to skip compiling)")
+        self.compile = self.target.compile_layers = False
+        if self.drafter is not None:
+            self.drafter.compile_layers = False
+
+    def _compile_notice(self):
+        if self.target.compile_layers and not _COMPILE_NOTICE:
+            from loguru import logger
+
+            _COMPILE_NOTICE.append(True)
+            logger.info("compiling the layers for this GPU (first use in this process; inductor caches it on disk; "
+                        "DDTREE_NO_COMPILE=1 skips it)")
+
     def _run_fn(self, key, fn, keep=()):
         if not self.use_graphs:
-            return fn()
+            if not self.target.compile_layers or key in self._seen:
+                return fn()
+            # first run of this piece with compiled layers, eager rounds (a layer split): a compile
+            # failure restores the state and runs it with the eager layers, as under graphs
+            self._compile_notice()
+            snap = self._snapshot(keep)
+            try:
+                out = fn()
+            except Exception as e:
+                self._compile_failed(e)
+                self._restore(snap)
+                out = fn()
+            self._seen.add(key)
+            return out
         if key not in self._graphs:
-            if self.target.compile_layers and not _COMPILE_NOTICE:
-                from loguru import logger
-
-                _COMPILE_NOTICE.append(True)
-                logger.info("compiling the layers for this GPU (first use in this process; inductor caches it on disk; "
-                            "DDTREE_NO_COMPILE=1 skips it)")
+            self._compile_notice()
             # Warm up on a side stream (allocator, cuBLAS handles), then capture. The warm-up
             # mutates state, so it is run on snapshots: capture only reads buffers' addresses.
             snap = self._snapshot(keep)
@@ -379,13 +407,7 @@ class Decoder:
                 except Exception as e:
                     if not self.target.compile_layers:
                         raise
-                    from loguru import logger
-
-                    logger.warning(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
-                                   "using the eager layers (set DDTREE_NO_COMPILE=1 to skip compiling)")
-                    self.compile = self.target.compile_layers = False
-                    if self.drafter is not None:
-                        self.drafter.compile_layers = False
+                    self._compile_failed(e)
                     self._restore(snap)
                     fn()
             torch.cuda.current_stream().wait_stream(s)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Two GPUs: one GPU vs layer split vs tensor parallelism (TP=2), random weights of a preset's
-exact shape. Prints AR tok/s and DDTree round time for each, the TP speedup, the greedy-output
-agreement with one GPU, and a projection for 2x RTX A6000 from the measured bytes per token.
+exact shape. Prints AR tok/s and DDTree round time for each, the TP speedup, a float32 check that
+the split and TP=2 give the one-GPU greedy tokens (small random pair, all three methods), and a
+projection for 2x RTX A6000 from the measured bytes per token.
 
     python scripts/bench_multigpu.py --preset qwen3.6-27b --out results/multigpu.json
 """
@@ -41,6 +42,44 @@ def summarize(recs) -> dict:
             "ddtree32_round_ms": dd.decode_s * 1e3 / len(dd.rounds), "ar_tokens": ar.token_ids, "ddtree_tokens": dd.token_ids}
 
 
+def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_tokens: int = 32) -> dict:
+    """Greedy tokens in float32 on a small random hybrid pair (near-ties, which make bf16 runs of
+    random weights disagree across reduction orders, are negligible there): the layer split vs one
+    device (same weights), and `--tp 2` (shards loaded from a checkpoint written in the released
+    layout) vs one device with those weights. -> {setup: {method: equal}}."""
+    import tempfile
+
+    from ddtree.checkpoint import save_checkpoint
+    from ddtree.testing import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
+
+    raw_t = tiny_hybrid_config(vocab=128, layers=("linear_attention",) * 3 + ("full_attention",)
+                               + ("linear_attention",) * 3 + ("full_attention",))  # every dim divisible by 2
+    raw_d = tiny_drafter_config(raw_t, block_size=8)
+    prompt = torch.randint(2, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    jobs = [dict(method=m, budget=b, prompt_ids=prompt, max_new_tokens=new_tokens)
+            for m, b in (("ar", 1), ("dflash", 1), ("ddtree", 8))]
+    names = [f"{j['method']}" + (f"-{j['budget']}" if j["method"] == "ddtree" else "") for j in jobs]
+
+    def tokens(dec):
+        return [dec.generate(**tp._gen_kwargs({}, j)).token_ids for j in jobs]
+
+    one = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices[:1]), torch.float32, 512, seed=3)))
+    split = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices), torch.float32, 512, seed=3)))
+    target = build_random_target(raw_t, device=devices[0], seed=3, max_len=512)
+    drafter = build_random_drafter(raw_d, target, device=devices[0], seed=4, max_len=512)
+    ref = tokens(Decoder(target, drafter, 512))
+    with tempfile.TemporaryDirectory() as tmp:
+        tdir = save_checkpoint({k: v.cpu() for k, v in target.state_dict().items()}, raw_t, Path(tmp) / "target",
+                               layout="conditional", shards=2)
+        ddir = save_checkpoint({k: v.cpu() for k, v in drafter.state_dict().items()}, raw_d, Path(tmp) / "drafter",
+                               layout="drafter")
+        common = dict(target=str(tdir), drafter=str(ddir), seed=0, dtype="float32", max_length=512, stop_ids=[],
+                      tp=2, device_type=device_type)
+        recs = tp.run_generate_tp_jobs(common, jobs)
+    return {"layer split = 1 device": dict(zip(names, (a == b for a, b in zip(one, split)))),
+            "TP=2 = 1 device": dict(zip(names, (r.token_ids == b for r, b in zip(recs, ref))))}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.6-27b", choices=sorted(PRESETS))
@@ -48,6 +87,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--a6000-GBps", type=float, default=768.0)
     ap.add_argument("--out", default="results/multigpu.json")
+    ap.add_argument("--no-exactness", action="store_true", help="skip the float32 token-equality check")
     a = ap.parse_args()
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ[k] = v
@@ -70,9 +110,10 @@ def main():
     res["TP=2"] = summarize(recs)
     print("TP=2", {k: v for k, v in res["TP=2"].items() if "tokens" not in k}, file=sys.stderr, flush=True)
     one = res["1 GPU"]
-    for name, r in res.items():
-        r["ar_same_tokens_as_1gpu"] = r["ar_tokens"] == one["ar_tokens"]
-        r["ddtree_same_tokens_as_1gpu"] = r["ddtree_tokens"] == one["ddtree_tokens"]
+    for name, r in res.items():  # TP's random shards are drawn per rank: other weights, nothing to compare
+        same = name != "TP=2"
+        r["ar_same_tokens_as_1gpu"] = r["ar_tokens"] == one["ar_tokens"] if same else None
+        r["ddtree_same_tokens_as_1gpu"] = r["ddtree_tokens"] == one["ddtree_tokens"] if same else None
         r["ar_speedup_vs_1gpu"] = r["ar_tok_s"] / one["ar_tok_s"]
     for r in res.values():
         del r["ar_tokens"], r["ddtree_tokens"]
@@ -88,6 +129,8 @@ def main():
     proj_tp = 1e3 / (shard["weight_bytes"] / (a.a6000_GBps * 1e9 * eff) * 1e3 + shard["collectives"] * coll_us * 1e-3)
     proj_split = 1e3 / (wb / (a.a6000_GBps * 1e9 * eff) * 1e3)
     out["results"] = res
+    if not a.no_exactness:
+        out["exact_fp32"] = exactness()
     out["projection_2xA6000"] = {
         "assumptions": f"per-rank weight bytes / ({a.a6000_GBps:.0f} GB/s x {eff:.2f} efficiency measured on H200); "
                        f"{shard['collectives']} collectives per token at {coll_us:.0f} us each over PCIe; bf16 weights "
@@ -97,10 +140,14 @@ def main():
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(f"\n== {out['gpu']} x{out['n_gpus']}  {out['date']}  {a.preset}, {a.ctx} context, random bf16 weights")
-    print(f"{'setup':12s} {'AR tok/s':>9s} {'ms/tok':>7s} {'x 1 GPU':>8s} {'DDTree-32 round ms':>19s} {'same greedy tokens':>19s}")
+    print(f"{'setup':12s} {'AR tok/s':>9s} {'ms/tok':>7s} {'x 1 GPU':>8s} {'DDTree-32 round ms':>19s} {'bf16 tokens = 1 GPU':>20s}")
     for name, r in res.items():
         print(f"{name:12s} {r['ar_tok_s']:9.1f} {r['ar_ms_per_token']:7.2f} {r['ar_speedup_vs_1gpu']:8.2f} "
-              f"{r['ddtree32_round_ms']:19.2f} {str(r['ar_same_tokens_as_1gpu']) + '/' + str(r['ddtree_same_tokens_as_1gpu']):>19s}")
+              f"{r['ddtree32_round_ms']:19.2f} {str(r['ar_same_tokens_as_1gpu']) + '/' + str(r['ddtree_same_tokens_as_1gpu']):>20s}")
+    print("(bf16 on random weights: logit gaps of a few ulps, so another reduction order may flip a token; TP's random "
+          "shards are other weights (None); exactness of both is checked in float32 below)")
+    for name, eq in out.get("exact_fp32", {}).items():
+        print(f"float32 greedy tokens, {name}: " + ", ".join(f"{m} {'same' if ok else 'DIFFER'}" for m, ok in eq.items()))
     p = out["projection_2xA6000"]
     print(f"projection 2x RTX A6000: layer split {p['layer_split_ar_tok_s']:.1f} tok/s, TP=2 {p['tp2_ar_tok_s']:.1f} tok/s "
           f"({p['assumptions']})")

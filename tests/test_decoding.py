@@ -472,3 +472,22 @@ def test_rounds_ahead_equal_host_tree_loop(kind):
         runs[ahead] = got
     dec.rounds_ahead = True
     assert runs[True] == runs[False]
+
+
+def test_compile_failure_in_eager_rounds_falls_back(monkeypatch):
+    """Eager rounds with compiled layers (what a layer split over GPUs runs): if compiling fails on
+    a piece's first run, the state is restored, that piece reruns with the eager layers, compiling
+    stays off, and the output is unchanged."""
+    import ddtree.target as target_mod
+
+    def broken(layer):
+        raise RuntimeError("inductor cannot compile here")
+
+    dec, _ = build_random_pair("hybrid", 7)
+    prompt = _prompt(3, 12)
+    ref = {m: dec.generate(prompt, m, budget=8, max_new_tokens=24).token_ids for m in ("ar", "ddtree")}
+    monkeypatch.setattr(target_mod, "compiled_layer", broken)
+    for method in ("ddtree", "ar"):
+        dec.compile = True
+        assert dec.generate(prompt, method, budget=8, max_new_tokens=24).token_ids == ref[method]
+        assert dec.compile is False and dec.target.compile_layers is False

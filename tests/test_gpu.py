@@ -134,3 +134,26 @@ def test_fla_prefill_matches_torch_path(monkeypatch):
     assert err(lf, r32) <= 1.5 * err(lt, r32) + 1e-3
     for a, b, ref in zip(sf, st, t32):
         assert err(a, ref) <= 1.5 * err(b, ref) + 1e-3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (the layer split)")
+def test_layer_split_over_two_gpus_equals_one_gpu():
+    """--devices cuda:0,cuda:1: layers split by weight bytes, eager rounds over compiled layers
+    (activations cross with non-blocking copies) give the one-GPU graphed run's greedy tokens for
+    ar, dflash and ddtree (fixed and auto budgets), in float32 on a random pair with the same weights."""
+    from ddtree.testing import build_random_on_devices, tiny_drafter_config
+
+    raw_t = tiny_hybrid_config(layers=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3
+                               + ("full_attention",))
+    raw_d = tiny_drafter_config(raw_t, block_size=8)
+    one = Decoder(*build_random_on_devices(raw_t, raw_d, ["cuda:0"], torch.float32, 512, seed=3))
+    t2, d2 = build_random_on_devices(raw_t, raw_d, ["cuda:0", "cuda:1"], torch.float32, 512, seed=3)
+    assert {str(d) for d in t2.layer_devices} == {"cuda:0", "cuda:1"}
+    split = Decoder(t2, d2)
+    assert not split.use_graphs and split.compile, "a split runs eager rounds over compiled layers"
+    prompt = torch.randint(2, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", "auto")):
+        a = one.generate(prompt, method, budget=budget, max_new_tokens=32).token_ids
+        b = split.generate(prompt, method, budget=budget, max_new_tokens=32).token_ids
+        assert a == b, (method, budget)
+    assert split.compile, "compiling the split's layers did not fall back"

@@ -258,3 +258,13 @@ def test_tp_triton_kernels_match_single_process(pair_dirs, one_thread, monkeypat
                                    temperature=0.0, top_p=1.0, top_k=0, seed=0, dtype="float32", max_length=512,
                                    prompt_ids=PROMPT, stop_ids=[], tp=W, device_type="cpu"))
         assert rec.token_ids == ref.token_ids, method
+
+
+def test_multigpu_bench_exactness_check_runs_on_cpu(one_thread):
+    """scripts/bench_multigpu.py's float32 token check (layer split vs one device, TP=2 vs one device),
+    run here with CPU devices and gloo: it must report every method equal."""
+    from scripts.bench_multigpu import exactness
+
+    got = exactness(("cpu", "cpu"), "cpu", new_tokens=12)
+    assert set(got) == {"layer split = 1 device", "TP=2 = 1 device"}
+    assert all(all(v.values()) and len(v) == 3 for v in got.values()), got
