@@ -71,7 +71,7 @@ def _tree_kernel(
         tl.store(cscore + op, s_p, mask=mp)
         tl.debug_barrier()
         rank = tl.zeros([NP], dtype=tl.int32)
-        for q0 in tl.static_range(0, NP, QB):  # rank = how many candidates beat this one
+        for q0 in range(0, NP, QB):  # rank = how many candidates beat this one (a loop, not unrolled: compile time)
             oq = q0 + tl.arange(0, QB)
             s_q = tl.load(cscore + oq, mask=oq < n, other=0.0)
             beats = (oq[None, :] < n) & ((s_q[None, :] > s_p[:, None]) | ((s_q[None, :] == s_p[:, None]) & (oq[None, :] < op[:, None])))
@@ -91,7 +91,7 @@ def _tree_kernel(
     grank = tl.zeros([GP], dtype=tl.int32)
     ahead_p = tl.zeros([GP], dtype=tl.float32)  # SUMMARY: path probabilities of the nodes before this one
     ahead_d = tl.zeros([GP], dtype=tl.int32)  # and their deepest depth
-    for q0 in tl.static_range(0, GP, QB):
+    for q0 in range(0, GP, QB):
         oq = q0 + tl.arange(0, QB)
         dq = oq // BB
         vq = (dq < D) & (oq % BB < tl.load(wsz + dq, mask=dq < D, other=0))

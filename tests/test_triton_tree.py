@@ -22,7 +22,8 @@ if DEV.type == "cpu" and not triton_gdn.interpreter_on():
 def _configs(n: int, seed: int, real: bool = True):
     """Real shapes, then random ones. On a GPU each shape is a compile (the sizes are constexpr):
     fewer there; the interpreter on CPU takes them all."""
-    n = min(n, 14) if DEV.type == "cuda" else n
+    if DEV.type == "cuda":  # the same few shapes in every test, so each compiles once
+        n, seed = min(n, 10), 11
     g = torch.Generator().manual_seed(seed)
     out = [(15, 32, 32), (15, 64, 64), (15, 16, 16), (15, 8, 8), (1, 4, 4), (2, 6, 42)] if real else []
     while len(out) < n:
