@@ -347,7 +347,14 @@ def format_table(doc: dict) -> str:
     def line(cells):
         return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
-    return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
+    notes = []
+    for run in doc["runs"]:  # --budget auto: which budgets it chose, and how often
+        hist = run["aggregate"].get("tree_size", {}).get("histogram") or {}
+        if run["method"] == "ddtree" and run.get("budget") is None and hist:
+            n = sum(hist.values())
+            notes.append("ddtree auto chose " + ", ".join(f"{b} ({100 * c / n:.0f}%)" for b, c in
+                                                          sorted(hist.items(), key=lambda kv: int(kv[0]))))
+    return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows] + notes)
 
 
 def divergence(dec, prompt_ids: list[int], ar: list[int], other: list[int]) -> dict:

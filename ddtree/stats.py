@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,10 @@ def _round_counters(rounds: list[RoundRecord], block_size: int | None = None) ->
 def _tree_size_stats(rounds: list[RoundRecord]) -> dict[str, float]:
     sizes = [r.tree_size for r in rounds]
     if not sizes:
-        return {"mean": 0.0, "min": 0, "max": 0}
-    return {"mean": sum(sizes) / len(sizes), "min": min(sizes), "max": max(sizes)}
+        return {"mean": 0.0, "min": 0, "max": 0, "histogram": {}}
+    hist = Counter(sizes)  # --budget auto: how often each budget was chosen
+    return {"mean": sum(sizes) / len(sizes), "min": min(sizes), "max": max(sizes),
+            "histogram": {str(k): hist[k] for k in sorted(hist)}}
 
 
 def _stage_times(rounds: list[RoundRecord]) -> dict[str, dict[str, float]]:
@@ -437,6 +440,7 @@ SCHEMA: dict = {
                                     "mean": {"type": _NUM},
                                     "min": {"type": _INT},
                                     "max": {"type": _INT},
+                                    "histogram": _COUNT_HIST,
                                 },
                             },
                             "stage_times_ms": {

@@ -178,6 +178,14 @@ def test_format_table_shapes():
     lines = format_table(doc).splitlines()
     assert len(lines) == 4
     assert "2.50x" in lines[3] and "NO" in lines[3] and "3.10" in lines[3]
+    # --budget auto: a line saying which budgets it chose, and how often
+    doc["runs"].append({"method": "ddtree", "budget": None, "budget_setting": "auto", "speedup_vs_ar": 2.0,
+                        "exact_match_vs_ar": True,
+                        "aggregate": {"decode_tok_s": 20.0, "e2e_tok_s": 18.0, "mean_ttft_s": 0.02,
+                                      "mean_acceptance_length": 3.0, "tree_size": {"histogram": {"32": 3, "15": 1}}}})
+    lines = format_table(doc).splitlines()
+    assert len(lines) == 6 and lines[4].startswith("ddtree  auto")
+    assert lines[5] == "ddtree auto chose 15 (25%), 32 (75%)"
 
 
 def test_divergence_reports_first_difference_and_logit_gap(one_thread):

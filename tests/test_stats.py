@@ -87,7 +87,7 @@ def test_aggregate_hand_computed():
     assert agg["acceptance_length_histogram"] == {"1": 1, "2": 1, "3": 1, "5": 1}
     assert agg["per_depth_acceptance_rate"] == pytest.approx([0.75, 0.5, 1 / 3, 0.5, 0.0])
     assert agg["accepted_rank_histogram"] == {"0": 4, "1": 2, "2": 1}
-    assert agg["tree_size"] == {"mean": pytest.approx(7.5), "min": 6, "max": 8}
+    assert agg["tree_size"] == {"mean": pytest.approx(7.5), "min": 6, "max": 8, "histogram": {"6": 1, "8": 3}}
     st = agg["stage_times_ms"]
     assert list(st) == ["draft", "tree", "verify", "commit"]
     assert st["draft"] == {"total": pytest.approx(5.0), "mean": pytest.approx(1.25)}
@@ -114,7 +114,7 @@ def test_aggregate_ar_and_empty():
     assert agg["num_accepted_tokens_per_pos"] == []
     assert agg["per_depth_acceptance_rate"] == []
     assert agg["rounds"] == 4
-    assert agg["tree_size"] == {"mean": 0.0, "min": 0, "max": 0}
+    assert agg["tree_size"] == {"mean": 0.0, "min": 0, "max": 0, "histogram": {"0": 4}}
     assert agg["stage_times_ms"]["verify"] == {"total": 12.0, "mean": 3.0}
     assert agg["stage_times_ms"]["draft"] == {"total": 0.0, "mean": 0.0}
     assert agg["decode_tok_s"] == pytest.approx(1.25)
