@@ -244,8 +244,11 @@ class GatedDeltaNet(nn.Module):
             self.final_buf.copy_(final)
         else:
             kb, ub, cb = self.wy_bufs
-            o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask,
-                               out=(kb[:, :T], ub[:, :T], cb[:, :T]))
+            scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
+            if triton_gdn.tree_available(x, T):  # opt-in (DDTREE_TRITON_TREE=1): one kernel per layer
+                o = triton_gdn.gdn_tree(q, k, v, g, beta, self.rec_state, s.path_mask, scratch)
+            else:
+                o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=scratch)
         o = self.norm(o.to(x.dtype), z)  # [T, hv, dv]
         return self.out_proj(o.reshape(T, -1))
 

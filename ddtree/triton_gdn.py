@@ -215,6 +215,83 @@ def gdn_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, c: torch.Tens
     return S
 
 
+# ----------------------------------------------------------------------------- tree verify (opt-in)
+# DDTREE_TRITON_TREE=1: a tree verify's GDN recurrence (gdn.tree_wy) in one kernel per layer instead
+# of ~a dozen (batched GEMMs, a triangular solve, pointwise). Tested against tree_wy; not yet
+# measured on a GPU, hence off by default.
+TREE_VERIFY = os.environ.get("DDTREE_TRITON_TREE") == "1"
+TREE_MAX_NODES = 128  # register tiles [T, T] and [T, dv] per head
+
+
+def tree_available(t: torch.Tensor, T: int) -> bool:
+    return TREE_VERIFY and available(t) and 1 < T <= TREE_MAX_NODES
+
+
+def _gdn_tree_kernel(
+    q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
+    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    h = tl.program_id(0)  # value head
+    f32 = tl.float32
+    ot = tl.arange(0, BT)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    mt, mk, mv = ot < T, ok < DK, ov < DV
+    mtk = mt[:, None] & mk[None, :]
+    mtv = mt[:, None] & mv[None, :]
+    Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
+    K = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)
+    V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+    gg = tl.load(g + ot * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
+    bb = tl.load(beta + ot * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
+    on_path = tl.load(mask + ot[:, None] * T + ot[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
+    decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
+    qS = tl.dot(Q, S, input_precision="ieee")  # [BT, BV]
+    kS = tl.dot(K, S, input_precision="ieee")
+    kk = tl.dot(K, tl.trans(K), input_precision="ieee")  # [BT, BT]
+    A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
+    ec = tl.exp(c)
+    U = bb[:, None] * (V - ec[:, None] * kS)  # right-hand side; solved in place below
+    for i in range(1, T):  # (I + A) U = B by forward substitution: nodes come after their ancestors
+        a_i = tl.sum(tl.where(ot[:, None] == i, A, 0.0), 0)  # row i of A [BT]
+        U = tl.where(ot[:, None] == i, U - tl.sum(a_i[:, None] * U, 0)[None, :], U)
+    qk = tl.dot(Q, tl.trans(K), input_precision="ieee")
+    O = ec[:, None] * qS + tl.dot(decay * qk, U, input_precision="ieee")
+    tl.store(o + ot[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
+    tl.store(kbuf + h * s_kbh + ot[:, None] * s_kbt + ok[None, :], K, mask=mtk)
+    tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
+    tl.store(cbuf + h * s_cbh + ot, c, mask=mt)
+
+
+def gdn_tree(q, k, v, g, beta, S0, path_mask, out):
+    """`gdn.tree_wy` for T > 1 in one kernel (one program per value head), writing the commit
+    scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy does. q, k [T, H, dk] fp32;
+    v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32; path_mask [T, T] bool. -> o [T, H, dv] fp32."""
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    kb, ub, cb = out
+    for t in (q, k, v, kb, ub):
+        assert t.stride(-1) == 1
+    assert cb.stride(-1) == 1 and S0.is_contiguous()
+    mask = path_mask.contiguous().view(torch.int8)
+    o = torch.empty(T, H, dv, dtype=torch.float32, device=q.device)
+    kern = _kernel(_gdn_tree_kernel, interpret=not q.is_cuda)
+    with _on_device_of(q):
+        kern[(H,)](
+            q, k, v, g, beta, S0, mask, o, kb, ub, cb,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
+            kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
+            T=T, DK=dk, DV=dv, BT=max(16, triton.next_power_of_2(T)), BK=max(16, triton.next_power_of_2(dk)),
+            BV=max(16, triton.next_power_of_2(dv)), num_warps=8 if T > 32 else 4,
+        )
+    return o
+
+
 if triton is not None:  # made here, so that a compiled layer only looks them up
-    for _fn in (_gdn_step_kernel, _gdn_commit_kernel):
+    for _fn in (_gdn_step_kernel, _gdn_commit_kernel, _gdn_tree_kernel):
         _kernel(_fn, interpret=False)
