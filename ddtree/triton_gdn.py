@@ -267,6 +267,7 @@ def _gdn_tree_kernel(
     tl.store(cbuf + h * s_cbh + ot, c, mask=mt)
 
 
+@torch.compiler.disable  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
 def gdn_tree(q, k, v, g, beta, S0, path_mask, out):
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head), writing the commit
     scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy does. q, k [T, H, dk] fp32;
