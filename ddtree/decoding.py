@@ -96,6 +96,7 @@ class _Draft:
 
 
 AUTO_BUDGETS = (4, 8, 15, 32, 64)  # 15 draft nodes = the block-16 chain's verify size
+PLAIN_PROBE = 16  # --budget auto: after this many plain steps in a row, one drafts again (fresh E_q)
 AUTO_TOPK = 32  # drafter top-k columns of auto's trees (a 64-node tree rarely needs a 33rd token per position)
 
 
@@ -108,14 +109,21 @@ class BudgetChooser:
     round = verify(b + 1), timed once per generation, + a fixed part (drafter, commit, host)
     learnt from the rounds' wall times. The pop order of a best-first tree is the same for every
     budget, so the tree of budget b is the first b + 1 nodes of the largest one.
+
+    With plain_ms (rounds ahead), budget 0 is a candidate too: a plain step (the bonus token
+    alone, no drafter), 1 token per plain_ms + its own fixed part. It wins where trees cannot pay
+    (a small target whose step is launch-bound, a drafter that is rarely right).
     """
 
-    def __init__(self, verify_ms: dict[int, float], decay: float = 0.9):
+    def __init__(self, verify_ms: dict[int, float], decay: float = 0.9, plain_ms: float | None = None):
         self.verify_ms = verify_ms  # budget -> ms of one verify of budget + 1 nodes
         self.decay = decay
         self.acc = self.pred = 1.0  # prior: the drafter's probabilities are honest
         self.fixed_ms = 0.0
         self.n = 0
+        self.plain_ms = plain_ms  # verify of the bonus alone with taps, or None: trees only
+        self.fixed_plain_ms = 0.0
+        self.n_plain = 0
 
     def pick(self, scores: list[float]) -> tuple[int, float]:
         """scores: path log-probabilities of a best-first tree's nodes (root first).
@@ -125,8 +133,18 @@ class BudgetChooser:
     def pick_eq(self, eq: dict[int, float]) -> tuple[int, float]:
         """eq: budget -> E_q(budget) of the tree at hand (or the latest one seen)."""
         r = self.acc / self.pred
-        best = max(self.verify_ms, key=lambda b: (1 + r * eq[b]) / (self.verify_ms[b] + self.fixed_ms))
+        rate = {b: (1 + r * eq[b]) / (self.verify_ms[b] + self.fixed_ms) for b in self.verify_ms}  # tokens / ms
+        best = max(rate, key=rate.get)
+        if self.plain_ms is not None and 1.0 / (self.plain_ms + self.fixed_plain_ms) > rate[best]:
+            return 0, 0.0
         return best, eq[best]
+
+    def update_plain(self, wall_ms: float):
+        """A plain step's wall time (rounds ahead: the time between two reads)."""
+        fixed = max(wall_ms - self.plain_ms, 0.0)
+        d = self.decay
+        self.fixed_plain_ms = fixed if self.n_plain == 0 else d * self.fixed_plain_ms + (1 - d) * fixed
+        self.n_plain += 1
 
     def update(self, budget: int, predicted: float, accepted: int, wall_ms: float):
         d = self.decay
@@ -353,7 +371,7 @@ class Decoder:
         conv windows, path mask). Under graphs the last verify *executed in Python* need not be the
         one being committed (--budget auto captures every size up front; replays run no Python),
         so each verify key keeps its own step and its commit runs with it."""
-        if key[0] in ("commit", "ahead", "draft"):  # every graph that may commit (ar's "draft" and "ahead" do)
+        if key[0] in ("commit", "ahead", "draft", "plain"):  # every graph that may commit (ar's "draft", "ahead", "plain")
             for dev, st in self._vsteps.get(key[1], {}).items():
                 self.target.gdn_groups[dev].step = st
         out = self._run_fn(key, fn, keep)
@@ -420,16 +438,18 @@ class Decoder:
         self._graphs[key].replay()
         return self._outs[key]
 
-    def _calibrate(self, start: int, greedy: bool) -> BudgetChooser:
+    def _calibrate(self, start: int, greedy: bool, plain: bool = False) -> BudgetChooser:
         """Time one verify per candidate budget on the live state (verify commits nothing); once
         per context bucket and decoder (the cost does not depend on the tokens)."""
         dev = self.target.device
         key = (min(_bucket(start + max(AUTO_BUDGETS) + 1, self.bucket), self.max_len), greedy,
                start + max(AUTO_BUDGETS) + 1 + self.block_size > self.max_len)
         if key in self._verify_cost:
-            return BudgetChooser(dict(self._verify_cost[key]))
+            cost = dict(self._verify_cost[key])
+            plain_ms = cost.pop(0, None)
+            return BudgetChooser(cost, plain_ms=plain_ms if plain else None)
         verify_ms = {}
-        for b in AUTO_BUDGETS:
+        for b in (0,) + AUTO_BUDGETS:  # 0: the bonus alone (a plain step of --budget auto)
             T = b + 1
             if start + T + self.block_size > self.max_len:
                 continue
@@ -446,10 +466,10 @@ class Decoder:
                 sync(dev)
                 times.append((time.perf_counter() - t0) * 1e3)
             verify_ms[b] = sorted(times)[1]
-        if key[2]:  # near max_len some budgets were left out: not cached
-            return BudgetChooser(verify_ms)
-        self._verify_cost[key] = verify_ms
-        return BudgetChooser(dict(verify_ms))
+        if not key[2]:  # near max_len some budgets were left out: not cached
+            self._verify_cost[key] = dict(verify_ms)
+        plain_ms = verify_ms.pop(0, None)
+        return BudgetChooser(verify_ms, plain_ms=plain_ms if plain else None)
 
     def _snapshot(self, keep=()):
         """Everything a round mutates: start_d, GDN states, the drafter's length, and the K/V
@@ -548,7 +568,8 @@ class Decoder:
             on_tokens([bonus])
         start = len(prompt_ids)
         self.start_d.fill_(start)
-        chooser = self._calibrate(start, sampling.greedy) if auto and method == "ddtree" else None
+        ahead_ok = self.rounds_ahead and not top1_first  # (the rounds-ahead loop also needs a device-sized tree)
+        chooser = self._calibrate(start, sampling.greedy, plain=ahead_ok) if auto and method == "ddtree" else None
         clock = StageClock(dev)
         rounds: list[RoundRecord] = []
         pending_times: list[list] = []
@@ -566,6 +587,8 @@ class Decoder:
                                clock, rounds, pending_times, k, chooser)
             stopped = True
         backlog = None  # the last round's bookkeeping: done while the device runs the next round
+        if chooser is not None:
+            chooser.plain_ms = None  # the host-tree loop below has no plain steps
 
         def book(toks, tree, path, n, T, marks):
             if on_tokens:
@@ -721,6 +744,19 @@ class Decoder:
                 depth = torch.cat([summary[0], summary[1].float()])
         return torch.cat(parts + [depth.float()])
 
+    def _step_plain(self, slot: _Slot, taps, P: int, stage: _Slot, nb: int):
+        """--budget auto's plain step (after a verify of the bonus alone): walk, commit, the drafter's
+        context += the accepted row, and no drafter forward; the chosen token becomes the staging
+        tree's root (the next round is plain too, or its tree is drafted from it). Packed as
+        `_step_ahead` packs, with an empty summary."""
+        path, n, bonus = self._walk(slot, P)
+        parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(),
+                 slot.ranks.index_select(0, path).float()]
+        self._commit(P)
+        self.drafter.add_context(taps.index_select(0, path.to(taps.device)), n)
+        stage.tokens[:1].copy_(bonus.view(1))
+        return torch.cat(parts + [torch.zeros(2 * nb, device=bonus.device)])
+
     def _trunc(self, stage: _Slot, slot: _Slot):
         """Auto's tree for this round: the first T nodes of the staging tree (a best-first tree's
         prefix is the best-first tree of that budget)."""
@@ -762,13 +798,18 @@ class Decoder:
         ring = _HostRing(2 + 2 * P + max(1, 2 * nb), self.target.device)
         sizes: dict = {}  # round -> its tree size
         latest = [summary[0][0] if budgets else None]  # auto: E_q per budget of the newest tree the host has read
+        drafted = {-1: True}  # round -> did its step draft the next tree (auto: not after a plain step)
+        plain_run = [0]  # consecutive plain steps: every PLAIN_PROBE-th one drafts, to re-measure the trees
 
         def launch(r: int, start_bound: int):
+            plain = False
             if budgets:  # round r's budget, from what the host knows now (round r's own tree may still be in flight)
-                T = chooser.pick_eq(latest[0])[0] + 1
+                b = chooser.pick_eq(latest[0])[0] if drafted[r - 1] else 0
+                plain, T = b == 0, b + 1
                 slot = self._slot(T)
                 slot._shape = (None, None)
                 self._run(("trunc", T, b_build), lambda: self._trunc(stage, slot))
+                plain_run[0] = plain_run[0] + 1 if plain else 0
             else:
                 T, slot = T0, self._slot(T0)
             sizes[r] = T
@@ -778,9 +819,15 @@ class Decoder:
             e0 = clock.now()
             vkey, _, taps = self._verify_choose(slot, kv_len, sampling, gen, True)
             e1 = clock.now()
-            packed = self._run(("ahead", vkey, P, draft_kv, k, sampling, b_build, into.tokens.shape[0], budgets),
-                               lambda: self._step_ahead(slot, taps, P, draft_kv, k, sampling, b_build, into, budgets),
-                               keep=(into.ints, into.mask, into.ranks))  # the step rewrites its own inputs
+            drafted[r] = not plain or plain_run[0] % PLAIN_PROBE == 0
+            if drafted[r]:
+                packed = self._run(("ahead", vkey, P, draft_kv, k, sampling, b_build, into.tokens.shape[0], budgets),
+                                   lambda: self._step_ahead(slot, taps, P, draft_kv, k, sampling, b_build, into, budgets),
+                                   keep=(into.ints, into.mask, into.ranks))  # the step rewrites its own inputs
+            else:
+                packed = self._run(("plain", vkey, P, nb), lambda: self._step_plain(slot, taps, P, stage, nb),
+                                   keep=(stage.ints,))
+            drafted.pop(r - 1, None)
             e2 = clock.now()
             ring.put(r, packed)
             return [("verify", e0, e1), ("draft", e1, e2)]
@@ -802,13 +849,20 @@ class Decoder:
             ranks = [int(x) for x in h[2 + P + 1 : 2 + P + n]]
             T, o = sizes.pop(r), 2 + 2 * P
             if budgets:  # this round's outcome against its tree's prediction; the next tree's summary
-                eq, depth_of = summary.pop(r)
-                depth = depth_of[T - 1]
+                eq, depth_of = summary.pop(r) or ({}, {})
                 now = time.perf_counter()
-                chooser.update(T - 1, eq[T - 1], n - 1, (now - t_last) * 1e3)
+                if T == 1:  # a plain step
+                    depth = 0
+                    chooser.update_plain((now - t_last) * 1e3)
+                else:
+                    depth = depth_of[T - 1]
+                    chooser.update(T - 1, eq[T - 1], n - 1, (now - t_last) * 1e3)
                 t_last = now
-                summary[r + 1] = ({b: h[o + b - 1] for b in budgets}, {b: int(h[o + nb + b - 1]) for b in budgets})
-                latest[0] = summary[r + 1][0]
+                if h[o + nb] >= 1:  # the step drafted a tree (its depth-of-one-node prefix is 1)
+                    summary[r + 1] = ({b: h[o + b - 1] for b in budgets}, {b: int(h[o + nb + b - 1]) for b in budgets})
+                    latest[0] = summary[r + 1][0]
+                else:
+                    summary[r + 1] = None
             else:
                 depth = summary.pop(r)
                 summary[r + 1] = int(h[o])

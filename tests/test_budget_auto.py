@@ -45,7 +45,7 @@ def test_auto_budget_decoding_is_exact():
         ar = dec.generate(prompt, "ar", max_new_tokens=30)
         auto = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=30)
         assert auto.token_ids == ar.token_ids
-        assert all(r.tree_size in AUTO_BUDGETS for r in auto.rounds)
+        assert all(r.tree_size in (0,) + AUTO_BUDGETS for r in auto.rounds)  # 0: a plain step
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "dense"])
@@ -88,3 +88,52 @@ def test_auto_rounds_ahead_equal_host_loop_under_forced_switches(kind, monkeypat
     assert runs[True] == runs[False]
     ar = dec.generate(prompt, "ar", max_new_tokens=40).token_ids
     assert runs[True][0][0] == ar and runs[True][2] == ar[: ar.index(stop) + 1]
+
+
+def test_plain_step_wins_only_where_trees_cannot_pay():
+    """Budget 0 (a plain step, no drafter) against trees: chosen when one token per plain step
+    beats the trees' expected tokens per ms, and its fixed cost is learnt from its rounds."""
+    scores = _scores([0.6] * 4 + [0.3] * 60)  # E_q(4) = 2.4, E_q(64) = 20.4
+    ch = BudgetChooser({4: 10.0, 64: 14.0}, plain_ms=9.0)
+    assert ch.pick(scores)[0] == 64  # a 64-node tree: ~21 tokens in 14 ms against 1 in 9 ms
+    for _ in range(30):  # the target accepts nothing, and a round costs 6 ms more than its verify
+        ch.update(64, 20.4, 0, wall_ms=20.0)
+    assert ch.pick(scores) == (0, 0.0)  # 1 token in 9 ms beats 1 in 16 ms
+    for _ in range(30):  # but plain steps turn out to cost 25 ms each
+        ch.update_plain(25.0)
+    assert abs(ch.fixed_plain_ms - 16.0) < 1e-6 and ch.pick(scores)[0] == 4
+    assert BudgetChooser({4: 10.0}).pick(scores)[0] == 4  # no plain_ms: trees only
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_auto_plain_steps_are_exact(kind, monkeypatch):
+    """--budget auto rounds ahead with plain steps forced in (runs of them, a probe that drafts
+    after PLAIN_PROBE of them, and switches to trees and back): greedy tokens equal ar's, plain
+    rounds are recorded as tree size 0, and trees follow only a step that drafted."""
+    from ddtree import decoding
+
+    monkeypatch.setattr(decoding, "PLAIN_PROBE", 3)
+    cycle = [8, 0, 0, 0, 0, 32, 0, 15, 0, 0, 0, 0, 0, 4]
+
+    def forced(self, eq):
+        self.calls = getattr(self, "calls", -1) + 1
+        b = cycle[self.calls % len(cycle)]
+        return (b, eq[b]) if b else (0, 0.0)
+
+    monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
+    dec, _ = build_random_pair(kind, seed=7)
+    prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    ar = dec.generate(prompt, "ar", max_new_tokens=48).token_ids
+    rec = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=48)
+    assert rec.token_ids == ar
+    sizes = [r.tree_size for r in rec.rounds]
+    assert 0 in sizes and any(s > 0 for s in sizes[sizes.index(0):])
+    assert all(r.committed == 1 and r.accepted == 0 for r in rec.rounds if r.tree_size == 0)
+    # a run of plain steps is left only after a drafting one: the PLAIN_PROBE-th (3rd) in a row
+    run = 0
+    for s in sizes:
+        if s == 0:
+            run += 1
+        else:
+            assert run == 0 or run % 3 == 0, sizes
+            run = 0
