@@ -282,7 +282,8 @@ class Decoder:
         logits = self.drafter.draft_logits(bonus, kv_len)  # [B-1, V]
         if not sp.greedy:
             logits = logits / sp.temperature
-        vals, ids = logits.topk(k, dim=-1)  # [B-1, k]: top-k of the logits = top-k of the log-probs
+        # [B-1, k]: top-k of the logits = top-k of the log-probs (k = 1, the chain: a max, not a radix select)
+        vals, ids = logits.max(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1)
         return vals - torch.logsumexp(logits, -1, keepdim=True), ids  # no full [B-1, V] log_softmax
 
     def _tree(self, method: str, bonus: int, draft: _Draft | None, budget: int, top1_first: bool) -> Tree:

@@ -215,16 +215,17 @@ def gdn_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, c: torch.Tens
     return S
 
 
-# ----------------------------------------------------------------------------- tree verify (opt-in)
-# DDTREE_TRITON_TREE=1: a tree verify's GDN recurrence (gdn.tree_wy) in one kernel per layer instead
-# of ~a dozen (batched GEMMs, a triangular solve, pointwise). Tested against tree_wy; not yet
-# measured on a GPU, hence off by default.
-TREE_VERIFY = os.environ.get("DDTREE_TRITON_TREE") == "1"
-TREE_MAX_NODES = 128  # register tiles [T, T] and [T, dv] per head
+# ----------------------------------------------------------------------------- tree verify
+# A tree verify's GDN recurrence (gdn.tree_wy) in one kernel per layer instead of ~14 (batched GEMMs,
+# a triangular solve, pointwise): on a small model every launch counts. On by default for trees of
+# up to TREE_DEFAULT_NODES nodes (the forward substitution is serial in the nodes: bigger trees keep
+# tree_wy's cuBLAS solve); DDTREE_TRITON_TREE=1 takes it up to TREE_MAX_NODES, =0 turns it off.
+_TREE_ENV = os.environ.get("DDTREE_TRITON_TREE")
+TREE_MAX_NODES = 128 if _TREE_ENV == "1" else 0 if _TREE_ENV == "0" else 32
 
 
 def tree_available(t: torch.Tensor, T: int) -> bool:
-    return TREE_VERIFY and available(t) and 1 < T <= TREE_MAX_NODES
+    return available(t) and 1 < T <= TREE_MAX_NODES
 
 
 def _gdn_tree_kernel(
@@ -232,46 +233,55 @@ def _gdn_tree_kernel(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NSQ: tl.constexpr,
 ):
-    h = tl.program_id(0)  # value head
+    # One program per (value head, block of BV value channels): the solve is column-wise in v, so
+    # the blocks are independent; each recomputes the [T, T] masks (cheap) and keeps few live tiles.
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    first = vb == 0  # writes the head's k and c scratch
     f32 = tl.float32
     ot = tl.arange(0, BT)
     ok = tl.arange(0, BK)
-    ov = tl.arange(0, BV)
+    ov = vb * BV + tl.arange(0, BV)
     mt, mk, mv = ot < T, ok < DK, ov < DV
     mtk = mt[:, None] & mk[None, :]
     mtv = mt[:, None] & mv[None, :]
-    Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
-    K = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)
-    V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+    K = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
+    tl.store(kbuf + h * s_kbh + ot[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
     gg = tl.load(g + ot * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
     bb = tl.load(beta + ot * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
     on_path = tl.load(mask + ot[:, None] * T + ot[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
-    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
     c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
+    tl.store(cbuf + h * s_cbh + ot, c, mask=mt & first)
     decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
-    qS = tl.dot(Q, S, input_precision="ieee")  # [BT, BV]
-    kS = tl.dot(K, S, input_precision="ieee")
+    ec = tl.exp(c)
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+    U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision="ieee"))  # right-hand side, solved in place
     kk = tl.dot(K, tl.trans(K), input_precision="ieee")  # [BT, BT]
     A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
-    ec = tl.exp(c)
-    U = bb[:, None] * (V - ec[:, None] * kS)  # right-hand side; solved in place below
-    for i in range(1, T):  # (I + A) U = B by forward substitution: nodes come after their ancestors
-        a_i = tl.sum(tl.where(ot[:, None] == i, A, 0.0), 0)  # row i of A [BT]
-        U = tl.where(ot[:, None] == i, U - tl.sum(a_i[:, None] * U, 0)[None, :], U)
-    qk = tl.dot(Q, tl.trans(K), input_precision="ieee")
-    O = ec[:, None] * qS + tl.dot(decay * qk, U, input_precision="ieee")
+    Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
+    O = ec[:, None] * tl.dot(Q, S, input_precision="ieee")
+    Pm = decay * tl.dot(Q, tl.trans(K), input_precision="ieee")
+    # (I + A) U = B without a serial substitution: A is strictly lower triangular, so A^T = 0 and
+    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(2^(NSQ))), 2^(NSQ+1) >= T: NSQ squarings and
+    # NSQ + 1 products, all tile dots (a loop over the nodes costs a barrier-bound step per node).
+    U -= tl.dot(A, U, input_precision="ieee")
+    for _ in tl.static_range(NSQ):
+        A = tl.dot(A, A, input_precision="ieee")
+        U += tl.dot(A, U, input_precision="ieee")
+    O += tl.dot(Pm, U, input_precision="ieee")
     tl.store(o + ot[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
-    tl.store(kbuf + h * s_kbh + ot[:, None] * s_kbt + ok[None, :], K, mask=mtk)
     tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
-    tl.store(cbuf + h * s_cbh + ot, c, mask=mt)
 
 
 @torch.compiler.disable  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
 def gdn_tree(q, k, v, g, beta, S0, path_mask, out):
-    """`gdn.tree_wy` for T > 1 in one kernel (one program per value head), writing the commit
-    scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy does. q, k [T, H, dk] fp32;
-    v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32; path_mask [T, T] bool. -> o [T, H, dv] fp32."""
+    """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
+    channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
+    does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
+    path_mask [T, T] bool. -> o [T, H, dv] fp32."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     kb, ub, cb = out
@@ -280,15 +290,17 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out):
     assert cb.stride(-1) == 1 and S0.is_contiguous()
     mask = path_mask.contiguous().view(torch.int8)
     o = torch.empty(T, H, dv, dtype=torch.float32, device=q.device)
+    BT = max(16, triton.next_power_of_2(T))
+    BV = max(16, min(32, triton.next_power_of_2(dv)))
     kern = _kernel(_gdn_tree_kernel, interpret=not q.is_cuda)
     with _on_device_of(q):
-        kern[(H,)](
+        kern[(H, triton.cdiv(dv, BV))](
             q, k, v, g, beta, S0, mask, o, kb, ub, cb,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            T=T, DK=dk, DV=dv, BT=max(16, triton.next_power_of_2(T)), BK=max(16, triton.next_power_of_2(dk)),
-            BV=max(16, triton.next_power_of_2(dv)), num_warps=8 if T > 32 else 4,
+            T=T, DK=dk, DV=dv, BT=BT, BK=max(16, triton.next_power_of_2(dk)), BV=BV,
+            NSQ=max(0, (T - 1).bit_length() - 1), num_warps=8 if BT > 32 else 4,
         )
     return o
 

@@ -273,7 +273,7 @@ def main():
     from ddtree import triton_gdn
 
     out = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-           "triton_gdn": triton_gdn.ENABLED, "triton_tree_verify": triton_gdn.ENABLED and triton_gdn.TREE_VERIFY}
+           "triton_gdn": triton_gdn.ENABLED, "triton_tree_verify": triton_gdn.ENABLED and triton_gdn.TREE_MAX_NODES}
     out["copy_GBps"] = copy_bandwidth() / 1e9
     print(f"copy bandwidth {out['copy_GBps']:.0f} GB/s", file=sys.stderr)
     sizes = [int(x) for x in a.sizes.split(",")]

@@ -160,14 +160,14 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
 
 
 def test_opt_in_tree_kernel_under_graphs_equals_torch_path(monkeypatch):
-    """DDTREE_TRITON_TREE=1 on the GPU: compiled layers (the kernel runs between compiled pieces)
+    """The tree-verify kernel (up to 128 nodes) on the GPU: compiled layers (the kernel runs between compiled pieces)
     inside CUDA graphs give the torch path's greedy tokens for dflash and ddtree."""
     from ddtree import triton_gdn
 
     prompt = torch.randint(2, 97, (60,), generator=torch.Generator().manual_seed(0)).tolist()
     toks = {}
     for on in (True, False):
-        monkeypatch.setattr(triton_gdn, "TREE_VERIFY", on)
+        monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
         dec, _ = build_random_pair("hybrid", seed=5, device="cuda")
         toks[on] = [dec.generate(prompt, m, budget=b, max_new_tokens=32).token_ids
                     for m, b in (("dflash", 1), ("ddtree", 8), ("ddtree", 64))]

@@ -144,7 +144,7 @@ def test_decoding_through_the_kernels_equals_torch_path(interpret, monkeypatch, 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_tree_kernel_matches_tree_wy(monkeypatch, cfg):
-    """The opt-in tree-verify kernel (DDTREE_TRITON_TREE=1) against gdn.tree_wy on random trees of
+    """The tree-verify kernel against gdn.tree_wy on random trees of
     2..65 nodes, with the strided q / k / v views the layer passes: outputs and commit scratch."""
     from ddtree.tree import ancestor_mask_from_parents
 
@@ -170,14 +170,14 @@ def test_tree_kernel_matches_tree_wy(monkeypatch, cfg):
 
 @pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 8)])
 def test_decoding_through_the_tree_kernel_equals_torch_path(interpret, monkeypatch, method, budget):
-    """Whole decoders with every tree verify's GDN recurrence in the opt-in kernel: greedy tokens
+    """Whole decoders with every tree verify's GDN recurrence in the kernel: greedy tokens
     equal the torch path's (tree_wy), and the kernel was used."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     calls, real = [], triton_gdn.gdn_tree
     monkeypatch.setattr(triton_gdn, "gdn_tree", lambda *a: calls.append(1) or real(*a))
     toks = {}
     for on in (True, False):
-        monkeypatch.setattr(triton_gdn, "TREE_VERIFY", on)
+        monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
         dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
         toks[on] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
     assert toks[True] == toks[False] and calls

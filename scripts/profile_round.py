@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Where a round's device time goes: kernels per round and their time, per method.
+
+Loads a target + drafter (default: the codepair fixture), decodes one prompt per method once to
+capture the graphs, then decodes it again under torch.profiler and prints, per method: rounds,
+kernels per round, summed kernel time per round, wall time per round (the difference is the
+device idling on the host or on launch gaps), and the kernels that cost the most per round.
+On a small target every kernel launch counts; this shows which pieces to fuse. Example:
+    python scripts/profile_round.py --target ../shared/fixtures/codepair/target \
+        --drafter ../shared/fixtures/codepair/drafter --methods ar,dflash,ddtree:16 --out results/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree.checkpoint import load_drafter, load_target  # noqa: E402
+from ddtree.decoding import Decoder  # noqa: E402
+from ddtree.prompts import load_prompts  # noqa: E402
+
+
+def main():
+    root = Path(__file__).resolve().parents[1]
+    fx = root.parent / "shared" / "fixtures" / "codepair"
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(fx / "target"))
+    ap.add_argument("--drafter", default=str(fx / "drafter"))
+    ap.add_argument("--prompts", default=None, help="prompts.jsonl (default: the target's sibling prompts.jsonl)")
+    ap.add_argument("--methods", default="ar,dflash,ddtree:16,ddtree:auto")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--eager", action="store_true",
+                    help="also run each method once without CUDA graphs and print the kernels per op and input shape")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_round.py needs a CUDA GPU")
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoTokenizer
+
+    dev = torch.device("cuda:0")
+    target, _ = load_target(a.target, [dev], torch.bfloat16, 4096)
+    drafter, _ = load_drafter(a.drafter, target, torch.bfloat16, 4096)
+    dec = Decoder(target, drafter)
+    tok = AutoTokenizer.from_pretrained(a.target)
+    prompts = a.prompts or str(Path(a.target).parent / "prompts.jsonl")
+    ids = tok(load_prompts(prompts)[0].text)["input_ids"][:512]
+    report = {}
+    for spec in a.methods.split(","):
+        method, _, b = spec.partition(":")
+        budget = (b if b == "auto" else int(b)) if b else 32
+        for _ in range(2):  # capture, then a warm pass
+            dec.generate(ids, method=method, budget=budget, max_new_tokens=a.tokens)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            rec = dec.generate(ids, method=method, budget=budget, max_new_tokens=a.tokens)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        rounds = max(len(rec.rounds), 1)
+        per = collections.defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                k = per[e.name[:90]]
+                k[0] += 1
+                k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        n = sum(v[0] for v in per.values())
+        busy_us = sum(v[1] for v in per.values())
+        top = sorted(per.items(), key=lambda kv: -kv[1][1])
+        report[spec] = {"rounds": rounds, "tokens": rec.new_tokens, "wall_ms_per_round": wall * 1e3 / rounds,
+                        "kernels_per_round": n / rounds, "kernel_ms_per_round": busy_us / 1e3 / rounds,
+                        "top": [{"name": k, "per_round": v[0] / rounds, "us_per_round": v[1] / rounds} for k, v in top]}
+        r = report[spec]
+        print(f"== {spec}: {rounds} rounds, {rec.new_tokens} tokens, wall {r['wall_ms_per_round']:.3f} ms/round, "
+              f"{r['kernels_per_round']:.0f} kernels/round, kernel time {r['kernel_ms_per_round']:.3f} ms/round")
+        for t in r["top"][: a.top]:
+            print(f"   {t['us_per_round']:8.1f} us  x{t['per_round']:5.1f}  {t['name']}")
+        if a.eager:  # which op (and shapes) launched what: graphs hide that
+            dec.use_graphs = False
+            dec.generate(ids, method=method, budget=budget, max_new_tokens=8)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+                rec = dec.generate(ids, method=method, budget=budget, max_new_tokens=16)
+                torch.cuda.synchronize()
+            dec.use_graphs = True
+            print(f"-- {spec} eager, {len(rec.rounds)} rounds: ops by device time")
+            print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=45,
+                                                                     max_name_column_width=40, max_shapes_column_width=70))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "report": report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
