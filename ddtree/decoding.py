@@ -750,10 +750,11 @@ class Decoder:
         context += the accepted row, and no drafter forward; the chosen token becomes the staging
         tree's root (the next round is plain too, or its tree is drafted from it). Packed as
         `_step_ahead` packs, with an empty summary."""
-        path, n, bonus = self._walk(slot, P)
-        parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(),
-                 slot.ranks.index_select(0, path).float()]
-        self._commit(P)
+        path, n, bonus = self._walk(slot, 1)  # one node: a path of one (fewer rows to commit and to add)
+        pad = torch.zeros(P - 1, device=bonus.device)
+        parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(), pad,
+                 slot.ranks.index_select(0, path).float(), pad]
+        self._commit(1)
         self.drafter.add_context(taps.index_select(0, path.to(taps.device)), n)
         stage.tokens[:1].copy_(bonus.view(1))
         return torch.cat(parts + [torch.zeros(2 * nb, device=bonus.device)])

@@ -164,11 +164,60 @@ def _all_gather_last(x: torch.Tensor, world: int, group=None, into_tensor: bool 
     return torch.cat(parts, -1)
 
 
+class SymmAllReduce:
+    """All-reduce of the small per-round activations through symmetric memory: every rank copies
+    its partial sum into a buffer the peers can read over NVLink, and one kernel sums all ranks'
+    buffers (torch's one-shot all-reduce). Two of them per layer, on the critical path of every
+    token: NCCL's ring costs ~20 us each at these sizes, this a few. Larger tensors (prefill
+    chunks) and any failure to set it up take NCCL. DDTREE_TP_SYMM=0 turns it off; twin: NCCL."""
+
+    MAX_BYTES = 4 << 20
+
+    def __init__(self, group, device: torch.device, dtype: torch.dtype):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = group
+        self.group_name = (group or dist.group.WORLD).group_name
+        self.numel = self.MAX_BYTES // torch.empty((), dtype=dtype).element_size()
+        self.buf = symm_mem.empty(self.numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buf, self.group_name)
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        if x.dtype != self.dtype or n > self.numel or not x.is_contiguous():
+            dist.all_reduce(x, group=self.group)
+            return x
+        out = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buf[:n], x.view(-1), "sum", self.group_name)
+        return out.view(x.shape)
+
+
+def _symm_reduce(model, group):
+    """SymmAllReduce for the model's device and dtype, or None (gloo, turned off, or unsupported)."""
+    if os.environ.get("DDTREE_TP_SYMM") == "0" or dist.get_backend(group) != "nccl":
+        return None
+    try:
+        reduce = SymmAllReduce(group, model.device, model.dtype)
+        x = torch.ones(8, dtype=model.dtype, device=model.device)
+        got = reduce(x)
+        if not torch.equal(got, torch.full_like(x, dist.get_world_size(group))):
+            raise RuntimeError(f"self-check summed to {got[0].item()}")
+        return reduce
+    except Exception as e:  # an older torch, no peer access: NCCL all the same
+        try:
+            from loguru import logger
+
+            logger.info(f"symmetric-memory all-reduce unavailable ({type(e).__name__}: {str(e)[:160]}); using NCCL's")
+        except ImportError:
+            pass
+        return None
+
+
 def install_tp_hooks(model, world: int, group=None) -> None:
     """All-reduce after every row-parallel projection, all-gather of the vocab-parallel logits.
 
     Install before building the Decoder (it copies target.gather_logits into the drafter)."""
-    reduce = partial(_all_reduce_, group=group)
+    reduce = _symm_reduce(model, group) or partial(_all_reduce_, group=group)
     for layer in model.layers:
         layer.reduce = reduce
     nccl = dist.get_backend(group) == "nccl"

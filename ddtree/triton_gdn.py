@@ -222,6 +222,9 @@ def gdn_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, c: torch.Tens
 # tree_wy's cuBLAS solve); DDTREE_TRITON_TREE=1 takes it up to TREE_MAX_NODES, =0 turns it off.
 _TREE_ENV = os.environ.get("DDTREE_TRITON_TREE")
 TREE_MAX_NODES = 128 if _TREE_ENV == "1" else 0 if _TREE_ENV == "0" else 32
+# Tile products on tensor cores as three TF32 products (about fp32's accuracy: tested against
+# tree_wy at 1e-5 relative on the GPU); "ieee" is the FMA path, several times slower at 32 nodes.
+TREE_PRECISION = os.environ.get("DDTREE_TREE_PRECISION", "tf32x3")
 
 
 def tree_available(t: torch.Tensor, T: int) -> bool:
@@ -233,7 +236,7 @@ def _gdn_tree_kernel(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NSQ: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr,
 ):
     # One program per (value head, block of BV value channels): the solve is column-wise in v, so
     # the blocks are independent; each recomputes the [T, T] masks (cheap) and keeps few live tiles.
@@ -258,20 +261,20 @@ def _gdn_tree_kernel(
     ec = tl.exp(c)
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
     V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
-    U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision="ieee"))  # right-hand side, solved in place
-    kk = tl.dot(K, tl.trans(K), input_precision="ieee")  # [BT, BT]
+    U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision=PREC))  # right-hand side, solved in place
+    kk = tl.dot(K, tl.trans(K), input_precision=PREC)  # [BT, BT]
     A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
     Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
-    O = ec[:, None] * tl.dot(Q, S, input_precision="ieee")
-    Pm = decay * tl.dot(Q, tl.trans(K), input_precision="ieee")
+    O = ec[:, None] * tl.dot(Q, S, input_precision=PREC)
+    Pm = decay * tl.dot(Q, tl.trans(K), input_precision=PREC)
     # (I + A) U = B without a serial substitution: A is strictly lower triangular, so A^T = 0 and
     # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(2^(NSQ))), 2^(NSQ+1) >= T: NSQ squarings and
     # NSQ + 1 products, all tile dots (a loop over the nodes costs a barrier-bound step per node).
-    U -= tl.dot(A, U, input_precision="ieee")
+    U -= tl.dot(A, U, input_precision=PREC)
     for _ in tl.static_range(NSQ):
-        A = tl.dot(A, A, input_precision="ieee")
-        U += tl.dot(A, U, input_precision="ieee")
-    O += tl.dot(Pm, U, input_precision="ieee")
+        A = tl.dot(A, A, input_precision=PREC)
+        U += tl.dot(A, U, input_precision=PREC)
+    O += tl.dot(Pm, U, input_precision=PREC)
     tl.store(o + ot[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
     tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
 
@@ -301,10 +304,43 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out):
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             T=T, DK=dk, DV=dv, BT=BT, BK=max(16, triton.next_power_of_2(dk)), BV=BV,
             NSQ=max(0, (T - 1).bit_length() - 1), num_warps=8 if BT > 32 else 4,
+            PREC=TREE_PRECISION if q.is_cuda else "ieee",
         )
     return o
 
 
+# ----------------------------------------------------------------------------- attention K/V commit
+def _kv_commit_kernel(kc, vc, path, start, s_l, W: tl.constexpr, P: tl.constexpr, BW: tl.constexpr):
+    # One program per (layer, K or V, block of BW channels): it loads the P path rows, waits for the
+    # whole block to have loaded (a destination row may be another node's source), then stores.
+    lyr = tl.program_id(0)
+    cache = tl.where(tl.program_id(1) == 0, kc, vc)
+    ow = tl.program_id(2) * BW + tl.arange(0, BW)
+    op = tl.arange(0, P)
+    s0 = tl.load(start)
+    src = s0 + tl.load(path + op)
+    m = ow[None, :] < W
+    base = cache + lyr * s_l
+    rows = tl.load(base + src[:, None] * W + ow[None, :], mask=m)
+    tl.debug_barrier()
+    tl.store(base + (s0 + op)[:, None] * W + ow[None, :], rows, mask=m)
+
+
+def kv_commit_(k_cache: torch.Tensor, v_cache: torch.Tensor, path_nodes: torch.Tensor, start: torch.Tensor):
+    """In place: rows start + path_nodes[i] of every layer's K and V move to rows start + i (one
+    kernel for all layers). k_cache, v_cache [L, max_len, kvh, hd] contiguous; path_nodes [P] long,
+    start 0-dim long, on their device. Twin: index_select + index_copy_ (TargetModel.commit)."""
+    L, _, kvh, hd = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
+    W, P = kvh * hd, path_nodes.shape[0]
+    BW = min(triton.next_power_of_2(W), max(16, 4096 // triton.next_power_of_2(P)))
+    kern = _kernel(_kv_commit_kernel, interpret=not k_cache.is_cuda)
+    with _on_device_of(k_cache):
+        kern[(L, 2, triton.cdiv(W, BW))](k_cache, v_cache, path_nodes, start, k_cache.stride(0),
+                                          W=W, P=P, BW=BW, num_warps=4)
+    return k_cache, v_cache
+
+
 if triton is not None:  # made here, so that a compiled layer only looks them up
-    for _fn in (_gdn_step_kernel, _gdn_commit_kernel, _gdn_tree_kernel):
+    for _fn in (_gdn_step_kernel, _gdn_commit_kernel, _gdn_tree_kernel, _kv_commit_kernel):
         _kernel(_fn, interpret=False)

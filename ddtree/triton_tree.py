@@ -54,9 +54,18 @@ def _tree_kernel(
     fi = of // KB
     fj = of % KB
     op = tl.arange(0, NP)
+    oe = tl.arange(0, GP)  # every slot of every depth, depth-major
+    de = oe // BB
+    ie = oe % BB
     tl.debug_barrier()
     for d in range(1, D):
         W = tl.load(wsz + d - 1)  # live slots of depth d - 1
+        # Early out: no slot of depth >= d scores above depth d's best candidate (log-probs are <= 0).
+        # Once B earlier slots beat it, the deeper depths cannot place a node: leave them empty.
+        best = tl.load(sc + (d - 1) * BB) + tl.load(lp + d * K).to(tl.float32)
+        prev = (de < d) & (ie < tl.load(wsz + de, mask=de < d, other=0))
+        better = tl.sum((prev & (tl.load(sc + oe, mask=prev, other=0.0) > best)).to(tl.int32), 0)
+        W = tl.where(better >= B, 0, W)
         # compact the pruned pairs (flat order = (i, j) order)
         ok = (fi < W) & (fj < KBV) & ((fi + 1) * (fj + 1) <= B)
         pos = tl.cumsum(ok.to(tl.int32), 0) - 1
@@ -72,10 +81,11 @@ def _tree_kernel(
         tl.debug_barrier()
         rank = tl.zeros([NP], dtype=tl.int32)
         for q0 in range(0, NP, QB):  # rank = how many candidates beat this one (a loop, not unrolled: compile time)
-            oq = q0 + tl.arange(0, QB)
-            s_q = tl.load(cscore + oq, mask=oq < n, other=0.0)
-            beats = (oq[None, :] < n) & ((s_q[None, :] > s_p[:, None]) | ((s_q[None, :] == s_p[:, None]) & (oq[None, :] < op[:, None])))
-            rank += tl.sum(beats.to(tl.int32), 1)
+            if q0 < n:  # blocks past the live candidates: skipped
+                oq = q0 + tl.arange(0, QB)
+                s_q = tl.load(cscore + oq, mask=oq < n, other=0.0)
+                beats = (oq[None, :] < n) & ((s_q[None, :] > s_p[:, None]) | ((s_q[None, :] == s_p[:, None]) & (oq[None, :] < op[:, None])))
+                rank += tl.sum(beats.to(tl.int32), 1)
         keep = mp & (rank < B)
         tl.store(sc + d * BB + rank, s_p, mask=keep)
         tl.store(ps + d * BB + rank, i, mask=keep)
@@ -83,24 +93,23 @@ def _tree_kernel(
         tl.store(wsz + d, tl.minimum(W * KBV, B))
         tl.debug_barrier()
     # ---- global: the best B slots over all depths become nodes 1..B
-    oe = tl.arange(0, GP)
-    de = oe // BB
-    ie = oe % BB
     ve = (de < D) & (ie < tl.load(wsz + de, mask=de < D, other=0))
     s_e = tl.load(sc + oe, mask=ve, other=0.0)
+    n_live = (tl.max(tl.where(ve, de, -1), 0) + 1) * BB  # the slots of the depths that have any
     grank = tl.zeros([GP], dtype=tl.int32)
     ahead_p = tl.zeros([GP], dtype=tl.float32)  # SUMMARY: path probabilities of the nodes before this one
     ahead_d = tl.zeros([GP], dtype=tl.int32)  # and their deepest depth
     for q0 in range(0, GP, QB):
-        oq = q0 + tl.arange(0, QB)
-        dq = oq // BB
-        vq = (dq < D) & (oq % BB < tl.load(wsz + dq, mask=dq < D, other=0))
-        s_q = tl.load(sc + oq, mask=vq, other=0.0)
-        beats = vq[None, :] & ((s_q[None, :] > s_e[:, None]) | ((s_q[None, :] == s_e[:, None]) & (oq[None, :] < oe[:, None])))
-        grank += tl.sum(beats.to(tl.int32), 1)
-        if SUMMARY:
-            ahead_p += tl.sum(tl.where(beats, tl.exp(s_q)[None, :], 0.0), 1)
-            ahead_d = tl.maximum(ahead_d, tl.max(tl.where(beats, dq[None, :] + 1, 0), 1))
+        if q0 < n_live:  # blocks of the empty depths: skipped
+            oq = q0 + tl.arange(0, QB)
+            dq = oq // BB
+            vq = (dq < D) & (oq % BB < tl.load(wsz + dq, mask=dq < D, other=0))
+            s_q = tl.load(sc + oq, mask=vq, other=0.0)
+            beats = vq[None, :] & ((s_q[None, :] > s_e[:, None]) | ((s_q[None, :] == s_e[:, None]) & (oq[None, :] < oe[:, None])))
+            grank += tl.sum(beats.to(tl.int32), 1)
+            if SUMMARY:
+                ahead_p += tl.sum(tl.where(beats, tl.exp(s_q)[None, :], 0.0), 1)
+                ahead_d = tl.maximum(ahead_d, tl.max(tl.where(beats, dq[None, :] + 1, 0), 1))
     sel = ve & (grank < B)
     nid = grank + 1
     if SUMMARY:  # E_q and depth of the best-first tree of nid draft nodes (auto's choice of budget)

@@ -183,5 +183,27 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(interpret, monkeypat
     assert toks[True] == toks[False] and calls
 
 
+@pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40)])
+def test_kv_commit_kernel_matches_index_copy(P, W):
+    """The attention K/V commit kernel against index_select + index_copy_ on random paths whose
+    source rows overlap their destinations (node i's destination may be node j's source), bit-exact."""
+    g_ = torch.Generator().manual_seed(P + W)
+    L, max_len, hd = 3, 80, 8
+    for trial in range(4):
+        k = torch.randn(L, max_len, W // hd, hd, generator=g_).to(DEV, torch.bfloat16)
+        v = torch.randn(L, max_len, W // hd, hd, generator=g_).to(DEV, torch.bfloat16)
+        n = int(torch.randint(1, P + 1, (1,), generator=g_))
+        nodes = torch.sort(torch.randperm(2 * P, generator=g_)[:n]).values  # ascending, as a tree's path is
+        path = torch.cat([nodes, nodes[-1:].expand(P - n)]).to(DEV)  # padded with the last node
+        start = torch.tensor(5 + trial, device=DEV)
+        ref = []
+        for c in (k.clone(), v.clone()):
+            dst = start + torch.arange(P, device=DEV)
+            c.index_copy_(1, dst, c.index_select(1, start + path))
+            ref.append(c)
+        triton_gdn.kv_commit_(k, v, path, start)
+        assert torch.equal(k, ref[0]) and torch.equal(v, ref[1])
+
+
 def test_report_max_errors():
     ERR.report("triton_gdn")

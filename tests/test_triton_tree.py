@@ -42,15 +42,20 @@ def test_kernel_equals_heap_without_ties():
     """Random depths, top-k widths and budgets (beams narrower than the budget included) and the
     real shapes (15 positions, K = budget = 8..64): every output equals the heap's tree."""
     g = torch.Generator().manual_seed(1)
-    for D, K, B in _configs(60, 11):
-        lp, ids = torch.log_softmax(torch.randn(D, 300, generator=g) * 3, -1).topk(K, -1)
+    shallow = 0
+    for c, (D, K, B) in enumerate(_configs(60, 11)):
+        # flat and peaked drafts alike: flat ones leave the deep depths empty (the kernel's early out)
+        scale = (0.3, 3.0, 8.0)[c % 3]
+        lp, ids = torch.log_softmax(torch.randn(D, 300, generator=g) * scale, -1).topk(K, -1)
         ref = build_tree(7, lp, ids, B)
+        shallow += int(ref.depths.max()) < D - 1
         tokens, depths, parents, ranks, mask, depth = _kernel_tree(lp, ids, B)
         for name, got, want in (("tokens", tokens, ref.tokens), ("depths", depths, ref.depths),
                                 ("parents", parents, ref.parents), ("ranks", ranks, ref.ranks),
                                 ("mask", mask, ref.ancestor_mask)):
             assert torch.equal(got, want), (name, D, K, B)
         assert int(depth) == int(ref.depths.max())
+    assert shallow >= 10  # the early out was exercised
 
 
 def test_kernel_with_ties_builds_a_best_first_tree():
