@@ -245,7 +245,7 @@ class GatedDeltaNet(nn.Module):
         else:
             kb, ub, cb = self.wy_bufs
             scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
-            if triton_gdn.tree_available(x, T):  # one kernel per layer (small trees; see triton_gdn)
+            if triton_gdn.tree_available(x, T, self.dk):  # one kernel per layer (small trees; see triton_gdn)
                 o = triton_gdn.gdn_tree(q, k, v, g, beta, self.rec_state, s.path_mask, scratch)
             else:
                 o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=scratch)

@@ -222,13 +222,19 @@ def gdn_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, c: torch.Tens
 # tree_wy's cuBLAS solve); DDTREE_TRITON_TREE=1 takes it up to TREE_MAX_NODES, =0 turns it off.
 _TREE_ENV = os.environ.get("DDTREE_TRITON_TREE")
 TREE_MAX_NODES = 128 if _TREE_ENV == "1" else 0 if _TREE_ENV == "0" else 32
+TREE_TILE = 2048  # default: padded nodes x key width of a program's tiles at most this
 # Tile products on tensor cores as three TF32 products (about fp32's accuracy: tested against
 # tree_wy at 1e-5 relative on the GPU); "ieee" is the FMA path, several times slower at 32 nodes.
 TREE_PRECISION = os.environ.get("DDTREE_TREE_PRECISION", "tf32x3")
 
 
-def tree_available(t: torch.Tensor, T: int) -> bool:
-    return available(t) and 1 < T <= TREE_MAX_NODES
+def tree_available(t: torch.Tensor, T: int, dk: int = 0) -> bool:
+    """The kernel for a T-node tree of key width dk? By default only while a program's [T, dk]
+    tiles stay small (measured on an H200: 16 nodes at dk 128 and 32 at dk 64 beat tree_wy, 32 at
+    dk 128 lost to it by ~70 us per layer); DDTREE_TRITON_TREE=1 lifts that."""
+    if not (available(t) and 1 < T <= TREE_MAX_NODES):
+        return False
+    return _TREE_ENV == "1" or max(16, 1 << (T - 1).bit_length()) * max(16, dk) <= TREE_TILE
 
 
 def _gdn_tree_kernel(

@@ -168,6 +168,7 @@ def test_opt_in_tree_kernel_under_graphs_equals_torch_path(monkeypatch):
     toks = {}
     for on in (True, False):
         monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
+        monkeypatch.setattr(triton_gdn, "TREE_TILE", 1 << 20)  # every size up to 128 nodes
         dec, _ = build_random_pair("hybrid", seed=5, device="cuda")
         toks[on] = [dec.generate(prompt, m, budget=b, max_new_tokens=32).token_ids
                     for m, b in (("dflash", 1), ("ddtree", 8), ("ddtree", 64))]

@@ -178,6 +178,7 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(interpret, monkeypat
     toks = {}
     for on in (True, False):
         monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
+        monkeypatch.setattr(triton_gdn, "TREE_TILE", 1 << 20)  # every size up to 128 nodes
         dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
         toks[on] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
     assert toks[True] == toks[False] and calls
