@@ -168,8 +168,9 @@ class SymmAllReduce:
     """All-reduce of the small per-round activations through symmetric memory: every rank copies
     its partial sum into a buffer the peers can read over NVLink, and one kernel sums all ranks'
     buffers (torch's one-shot all-reduce). Two of them per layer, on the critical path of every
-    token: NCCL's ring costs ~20 us each at these sizes, this a few. Larger tensors (prefill
-    chunks) and any failure to set it up take NCCL. DDTREE_TP_SYMM=0 turns it off; twin: NCCL."""
+    token: NCCL's ring costs ~20 us each at these sizes, this should cost a few. Larger tensors
+    (prefill chunks) and any failure to set it up take NCCL. Opt-in (DDTREE_TP_SYMM=1) until it is
+    measured on a two-GPU machine; twin: NCCL (tests/test_gpu.py compares their greedy tokens)."""
 
     MAX_BYTES = 4 << 20
 
@@ -194,7 +195,8 @@ class SymmAllReduce:
 
 def _symm_reduce(model, group):
     """SymmAllReduce for the model's device and dtype, or None (gloo, turned off, or unsupported)."""
-    if os.environ.get("DDTREE_TP_SYMM") == "0" or dist.get_backend(group) != "nccl":
+    mode = os.environ.get("DDTREE_TP_SYMM", "0")  # "1": use it when it sets up; "require": or fail (tests)
+    if mode not in ("1", "require") or dist.get_backend(group) != "nccl":
         return None
     try:
         reduce = SymmAllReduce(group, model.device, model.dtype)
@@ -204,6 +206,8 @@ def _symm_reduce(model, group):
             raise RuntimeError(f"self-check summed to {got[0].item()}")
         return reduce
     except Exception as e:  # an older torch, no peer access: NCCL all the same
+        if mode == "require":
+            raise
         try:
             from loguru import logger
 

@@ -42,7 +42,7 @@ def summarize(recs) -> dict:
             "ddtree32_round_ms": dd.decode_s * 1e3 / len(dd.rounds), "ar_tokens": ar.token_ids, "ddtree_tokens": dd.token_ids}
 
 
-def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_tokens: int = 32) -> dict:
+def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_tokens: int = 32, symm: bool = True) -> dict:
     """Greedy tokens in float32 on a small random hybrid pair (near-ties, which make bf16 runs of
     random weights disagree across reduction orders, are negligible there): the layer split vs one
     device (same weights), and `--tp 2` (shards loaded from a checkpoint written in the released
@@ -76,8 +76,18 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
         common = dict(target=str(tdir), drafter=str(ddir), seed=0, dtype="float32", max_length=512, stop_ids=[],
                       tp=2, device_type=device_type)
         recs = tp.run_generate_tp_jobs(common, jobs)
-    return {"layer split = 1 device": dict(zip(names, (a == b for a, b in zip(one, split)))),
-            "TP=2 = 1 device": dict(zip(names, (r.token_ids == b for r, b in zip(recs, ref))))}
+        res = {"layer split = 1 device": dict(zip(names, (a == b for a, b in zip(one, split)))),
+               "TP=2 = 1 device": dict(zip(names, (r.token_ids == b for r, b in zip(recs, ref))))}
+        if symm and device_type == "cuda":  # the same through symmetric-memory all-reduces (must set up)
+            os.environ["DDTREE_TP_SYMM"] = "require"
+            try:
+                recs = tp.run_generate_tp_jobs(common, jobs)
+                res["TP=2 symm = 1 device"] = dict(zip(names, (r.token_ids == b for r, b in zip(recs, ref))))
+            except Exception as e:
+                res["TP=2 symm = 1 device"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            finally:
+                os.environ["DDTREE_TP_SYMM"] = "0"
+    return res
 
 
 def main():
@@ -88,6 +98,7 @@ def main():
     ap.add_argument("--a6000-GBps", type=float, default=768.0)
     ap.add_argument("--out", default="results/multigpu.json")
     ap.add_argument("--no-exactness", action="store_true", help="skip the float32 token-equality check")
+    ap.add_argument("--no-symm", action="store_true", help="skip the TP=2 row with symmetric-memory all-reduces")
     a = ap.parse_args()
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ[k] = v
@@ -105,13 +116,23 @@ def main():
         print(name, {k: v for k, v in res[name].items() if "tokens" not in k}, file=sys.stderr, flush=True)
         del dec, t, d
         torch.cuda.empty_cache()
-    recs = tp.run_tp(2, tp.bench_worker, raw_t, raw_d, "bfloat16", jobs_for(prompt, a.tokens), max_len, 0, None,
-                     device_type="cuda")
-    res["TP=2"] = summarize(recs)
-    print("TP=2", {k: v for k, v in res["TP=2"].items() if "tokens" not in k}, file=sys.stderr, flush=True)
+    # TP=2 with NCCL's all-reduce, then through symmetric memory (DDTREE_TP_SYMM; workers inherit it)
+    for name, symm in (("TP=2", "0"), ("TP=2 symm", "1")):
+        if symm == "1" and a.no_symm:
+            continue
+        os.environ["DDTREE_TP_SYMM"] = symm
+        try:
+            recs = tp.run_tp(2, tp.bench_worker, raw_t, raw_d, "bfloat16", jobs_for(prompt, a.tokens), max_len, 0,
+                             None, device_type="cuda")
+        except Exception as e:  # report, do not hide: the NCCL row stands
+            print(f"{name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            continue
+        res[name] = summarize(recs)
+        print(name, {k: v for k, v in res[name].items() if "tokens" not in k}, file=sys.stderr, flush=True)
+    os.environ["DDTREE_TP_SYMM"] = "0"
     one = res["1 GPU"]
     for name, r in res.items():  # TP's random shards are drawn per rank: other weights, nothing to compare
-        same = name != "TP=2"
+        same = not name.startswith("TP=2")
         r["ar_same_tokens_as_1gpu"] = r["ar_tokens"] == one["ar_tokens"] if same else None
         r["ddtree_same_tokens_as_1gpu"] = r["ddtree_tokens"] == one["ddtree_tokens"] if same else None
         r["ar_speedup_vs_1gpu"] = r["ar_tok_s"] / one["ar_tok_s"]
@@ -130,7 +151,7 @@ def main():
     proj_split = 1e3 / (wb / (a.a6000_GBps * 1e9 * eff) * 1e3)
     out["results"] = res
     if not a.no_exactness:
-        out["exact_fp32"] = exactness()
+        out["exact_fp32"] = exactness(symm=not a.no_symm)
     out["projection_2xA6000"] = {
         "assumptions": f"per-rank weight bytes / ({a.a6000_GBps:.0f} GB/s x {eff:.2f} efficiency measured on H200); "
                        f"{shard['collectives']} collectives per token at {coll_us:.0f} us each over PCIe; bf16 weights "
@@ -147,7 +168,8 @@ def main():
     print("(bf16 on random weights: logit gaps of a few ulps, so another reduction order may flip a token; TP's random "
           "shards are other weights (None); exactness of both is checked in float32 below)")
     for name, eq in out.get("exact_fp32", {}).items():
-        print(f"float32 greedy tokens, {name}: " + ", ".join(f"{m} {'same' if ok else 'DIFFER'}" for m, ok in eq.items()))
+        print(f"float32 greedy tokens, {name}: " + ", ".join(
+            f"{m} {ok}" if m == "error" else f"{m} {'same' if ok else 'DIFFER'}" for m, ok in eq.items()))
     p = out["projection_2xA6000"]
     print(f"projection 2x RTX A6000: layer split {p['layer_split_ar_tok_s']:.1f} tok/s, TP=2 {p['tp2_ar_tok_s']:.1f} tok/s "
           f"({p['assumptions']})")

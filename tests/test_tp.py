@@ -207,8 +207,11 @@ def test_tp_rejects_indivisible_before_spawning(pair_dirs):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("use_graphs", [False, True], ids=["eager", "graphs"])
-def test_tp_nccl_generate_matches_single_gpu(pair_dirs, use_graphs):
-    """NCCL (eager, and inside the decoder's CUDA graphs) gives the single-GPU greedy tokens."""
+@pytest.mark.parametrize("symm", ["0", "require"], ids=["nccl", "symm-mem"])
+def test_tp_nccl_generate_matches_single_gpu(pair_dirs, use_graphs, symm, monkeypatch):
+    """NCCL (eager, and inside the decoder's CUDA graphs) gives the single-GPU greedy tokens; so
+    do the all-reduces through symmetric memory (DDTREE_TP_SYMM; "require" fails if it cannot set up)."""
+    monkeypatch.setenv("DDTREE_TP_SYMM", symm)  # the spawned workers inherit it
     tdir, ddir, _, _ = pair_dirs
     raw = _raw()
     target = build_random_target(raw, device="cuda:0", seed=3, max_len=512)  # the checkpoint's weights
