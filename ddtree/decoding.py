@@ -30,9 +30,10 @@ from ddtree.sampling import SamplingParams, choose
 from ddtree.stats import GenerationRecord, RoundRecord
 from ddtree.target import TargetModel
 from ddtree.tree import Tree, build_tree, build_tree_device, device_tree_fits
-from ddtree.triton_tree import build_tree_kernel, tree_summary
+from ddtree.triton_tree import build_tree_kernel, tree_summary, walk_kernel
 
 METHODS = ("ar", "dflash", "ddtree")
+WALK_KERNEL = {"ok": os.environ.get("DDTREE_TORCH_WALK") != "1"}  # the walk in one Triton kernel where available
 TREE_KERNEL = {"ok": True}  # False after the Triton tree kernel failed once in this process (torch ops then)
 
 
@@ -334,8 +335,11 @@ class Decoder:
     def _walk(self, slot: _Slot, P: int):
         """Accepted path of the verified tree in `slot`, into the static walk buffers.
         -> (path_nodes [P], n 0-dim, bonus 0-dim)."""
-        last, n_d, path_nodes = walk(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P)
         path, n, bonus = self._walk_buf(P)
+        if triton_gdn.available(slot.tokens) and WALK_KERNEL["ok"]:  # one kernel instead of ~15 (twin: walk)
+            walk_kernel(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P, (path, n, bonus))
+            return path, n, bonus
+        last, n_d, path_nodes = walk(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P)
         path.copy_(path_nodes)
         n.copy_(n_d)
         bonus.copy_(slot.choice.gather(0, last.view(1))[0])

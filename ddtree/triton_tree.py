@@ -193,5 +193,52 @@ def tree_summary(lp: torch.Tensor, depths: torch.Tensor, ranks: torch.Tensor, ma
     return eq, torch.cummax(depths, 0).values[1:]
 
 
+# ----------------------------------------------------------------------------- the walk
+def _walk_kernel(tokens, parents, depths, mask, choice, path_out, n_out, bonus_out,
+                 T: tl.constexpr, P: tl.constexpr, TP: tl.constexpr, PP: tl.constexpr):
+    # One program, the whole tree in registers: a node is accepted when every node on its path
+    # holds the token its parent's choice picked; the deepest accepted node ends the path.
+    ot = tl.arange(0, TP)
+    mt = ot < T
+    tok = tl.load(tokens + ot, mask=mt, other=0)
+    par = tl.load(parents + ot, mask=mt, other=0)
+    dep = tl.load(depths + ot, mask=mt, other=0)
+    pick = tl.load(choice + tl.maximum(par, 0), mask=mt, other=0)
+    match = (tok == pick) | (ot == 0)
+    m2 = mt[:, None] & mt[None, :]
+    on = tl.load(mask + ot[:, None] * T + ot[None, :], mask=m2, other=0) != 0  # [TP, TP]: j on path(i)
+    bad = tl.sum((on & (match[None, :] == 0)).to(tl.int32), 1)  # [TP]: rejected nodes on each path
+    accepted = mt & (bad == 0)
+    key = tl.where(accepted, dep, -1)
+    d_last = tl.max(key, 0)
+    last = tl.min(tl.where(key == d_last, ot, TP), 0)  # the first node of the deepest accepted depth
+    row = tl.sum(tl.where(ot[:, None] == last, on.to(tl.int32), 0), 0) != 0  # [TP]: path(last)
+    od = tl.arange(0, PP)
+    hit = row[None, :] & (dep[None, :] == od[:, None])  # [PP, TP]: the path's node at each depth
+    node = tl.min(tl.where(hit, ot[None, :], TP), 1)
+    node = tl.where(od <= d_last, node, last)
+    tl.store(path_out + od, node.to(tl.int64), mask=od < P)
+    tl.store(n_out, (d_last + 1).to(tl.int64))
+    tl.store(bonus_out, tl.load(choice + last))
+
+
+def walk_kernel(tokens, parents, depths, path_mask, choice, P: int, out: tuple):
+    """`decoding.walk` in one kernel, written into out = (path_nodes [P], n 0-dim, bonus 0-dim)
+    (long, on the tree's device). tokens/parents/depths/choice [T] long, path_mask [T, T] bool
+    contiguous. -> out. Twin: decoding.walk (the path, n, and choice[last])."""
+    T = tokens.shape[0]
+    path, n, bonus = out
+    for t in (tokens, parents, depths, choice, path):
+        assert t.dtype == torch.long and t.stride(-1) == 1
+    assert path_mask.is_contiguous()
+    kern = _kernel(_walk_kernel, interpret=not tokens.is_cuda)
+    with _on_device_of(tokens):
+        kern[(1,)](tokens, parents, depths, path_mask.view(torch.int8), choice, path, n, bonus,
+                   T=T, P=P, TP=max(2, triton.next_power_of_2(T)), PP=max(2, triton.next_power_of_2(P)),
+                   num_warps=4)
+    return out
+
+
 if triton is not None:
     _kernel(_tree_kernel, interpret=False)
+    _kernel(_walk_kernel, interpret=False)

@@ -127,19 +127,21 @@ def test_commit_kernel_matches_commit_states(cfg):
 @pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", "auto")])
 def test_decoding_through_the_kernels_equals_torch_path(interpret, monkeypatch, method, budget):
     """Whole decoders: greedy tokens with the kernels (AR steps fused, every commit through the
-    kernel, ddtree's trees built by the tree kernel) equal the torch path's."""
+    kernel, ddtree's trees built by the tree kernel, every walk in the walk kernel) equal the torch path's."""
     from ddtree import decoding
 
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    toks, kernel_trees = {}, []
-    real = decoding.build_tree_kernel
+    toks, kernel_trees, kernel_walks = {}, [], []
+    real, real_walk = decoding.build_tree_kernel, decoding.walk_kernel
     monkeypatch.setattr(decoding, "build_tree_kernel", lambda *a, **k: kernel_trees.append(1) or real(*a, **k))
+    monkeypatch.setattr(decoding, "walk_kernel", lambda *a, **k: kernel_walks.append(1) or real_walk(*a, **k))
     for fast in (True, False):
         monkeypatch.setattr(triton_gdn, "ENABLED", fast)
         dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
         toks[fast] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
     assert toks[True] == toks[False]
     assert bool(kernel_trees) == (method == "ddtree")  # fixed-budget ddtree builds its trees in triton_tree's kernel
+    assert kernel_walks  # every method walks its verified tree in triton_tree's walk kernel
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))

@@ -161,3 +161,39 @@ def test_decoder_falls_back_to_torch_when_the_kernel_fails(monkeypatch):
     assert calls == [1] and decoding.TREE_KERNEL["ok"] is False
     monkeypatch.undo()
     assert got == dec.generate(prompt, "ar", max_new_tokens=20).token_ids
+
+
+def test_walk_kernel_equals_walk():
+    """The one-kernel walk against decoding.walk on built trees (chains and one-node trees
+    included) with choices steered into the tree: path, accepted count and bonus, every P."""
+    from ddtree.decoding import walk
+    from ddtree.tree import Tree
+    from ddtree.triton_tree import walk_kernel
+
+    g = torch.Generator().manual_seed(4)
+    trees = [Tree.chain(torch.tensor([5])), Tree.chain(torch.arange(3, 19))]
+    for D, B in ((15, 32), (15, 64), (4, 9), (15, 16)):
+        lp, ids = torch.log_softmax(torch.randn(D, 50, generator=g) * 2, -1).topk(min(B, 50), -1)
+        trees.append(build_tree(3, lp, ids, B))
+    deep = 0
+    for tree in trees:
+        T = tree.num_nodes
+        kids: dict[int, list[int]] = {}
+        for i in range(1, T):
+            kids.setdefault(int(tree.parents[i]), []).append(int(tree.tokens[i]))
+        t = [x.to(DEV).contiguous() for x in (tree.tokens, tree.parents, tree.depths, tree.ancestor_mask)]
+        for trial in range(12 if DEV.type == "cpu" else 4):
+            choice = torch.randint(0, 50, (T,), generator=g)
+            for i in range(T):  # steer often into the tree
+                if i in kids and torch.rand(1, generator=g) < 0.85:
+                    choice[i] = kids[i][int(torch.randint(0, len(kids[i]), (1,), generator=g))]
+            choice = choice.to(DEV)
+            P = int(tree.depths.max()) + 1 + trial % 3  # the path buffer may be longer than the tree
+            last, n, path = walk(*t[:3], t[3], choice, P)
+            out = (torch.full((P,), -7, dtype=torch.long, device=DEV), torch.zeros((), dtype=torch.long, device=DEV),
+                   torch.zeros((), dtype=torch.long, device=DEV))
+            walk_kernel(*t[:3], t[3], choice, P, out)
+            assert out[0].tolist() == path.tolist() and int(out[1]) == int(n), (T, P)
+            assert int(out[2]) == int(choice[last])
+            deep += int(n) > 2
+    assert deep > 10  # the walks went deep, not just the root
