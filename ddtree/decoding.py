@@ -33,7 +33,7 @@ from ddtree.tree import Tree, build_tree, build_tree_device, device_tree_fits
 from ddtree.triton_tree import build_tree_kernel, tree_summary, walk_kernel
 
 METHODS = ("ar", "dflash", "ddtree")
-WALK_KERNEL = {"ok": os.environ.get("DDTREE_TORCH_WALK") != "1"}  # the walk in one Triton kernel where available
+WALK_KERNEL = os.environ.get("DDTREE_TORCH_WALK") != "1"  # the walk in one Triton kernel where available
 TREE_KERNEL = {"ok": True}  # False after the Triton tree kernel failed once in this process (torch ops then)
 
 
@@ -336,7 +336,7 @@ class Decoder:
         """Accepted path of the verified tree in `slot`, into the static walk buffers.
         -> (path_nodes [P], n 0-dim, bonus 0-dim)."""
         path, n, bonus = self._walk_buf(P)
-        if triton_gdn.available(slot.tokens) and WALK_KERNEL["ok"]:  # one kernel instead of ~15 (twin: walk)
+        if WALK_KERNEL and triton_gdn.available(slot.tokens):  # one kernel instead of ~15 (twin: walk)
             walk_kernel(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P, (path, n, bonus))
             return path, n, bonus
         last, n_d, path_nodes = walk(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P)
@@ -708,11 +708,7 @@ class Decoder:
         auto_budgets [..., E_q(b) for b = 1..B, depth of b's prefix for b = 1..B] in place of the depth."""
         into = slot if into is None else into
         slot._shape = into._shape = (None, None)  # rewritten on the device: no upload shortcut for a host load
-        path, n, bonus = self._walk(slot, P)
-        parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(),
-                 slot.ranks.index_select(0, path).float()]
-        self._commit(P)
-        self.drafter.add_context(taps.index_select(0, path.to(taps.device)), n)
+        parts, n, bonus = self._accept(slot, taps, P, P)
         lp, ids = self._draft_topk(bonus, draft_kv, k, sp)
         ids = ids.to(into.tokens.device)
         if budget is None:  # the chain: bonus, then the drafter's top-1 per position (shape unchanged)
@@ -749,17 +745,24 @@ class Decoder:
                 depth = torch.cat([summary[0], summary[1].float()])
         return torch.cat(parts + [depth.float()])
 
+    def _accept(self, slot: _Slot, taps, P_walk: int, P: int):
+        """The start of every rounds-ahead step: walk a path of P_walk nodes, commit it, and add its
+        rows to the drafter's context. -> (packed parts [n, bonus, path tokens (P), path ranks (P)],
+        padded to P; n; bonus)."""
+        path, n, bonus = self._walk(slot, P_walk)
+        pad = [torch.zeros(P - P_walk, device=bonus.device)] if P > P_walk else []
+        parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(), *pad,
+                 slot.ranks.index_select(0, path).float(), *pad]
+        self._commit(P_walk)
+        self.drafter.add_context(taps.index_select(0, path.to(taps.device)), n)
+        return parts, n, bonus
+
     def _step_plain(self, slot: _Slot, taps, P: int, stage: _Slot, nb: int):
         """--budget auto's plain step (after a verify of the bonus alone): walk, commit, the drafter's
         context += the accepted row, and no drafter forward; the chosen token becomes the staging
         tree's root (the next round is plain too, or its tree is drafted from it). Packed as
         `_step_ahead` packs, with an empty summary."""
-        path, n, bonus = self._walk(slot, 1)  # one node: a path of one (fewer rows to commit and to add)
-        pad = torch.zeros(P - 1, device=bonus.device)
-        parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(), pad,
-                 slot.ranks.index_select(0, path).float(), pad]
-        self._commit(1)
-        self.drafter.add_context(taps.index_select(0, path.to(taps.device)), n)
+        parts, n, bonus = self._accept(slot, taps, 1, P)  # one node: a path of one (fewer rows to commit and add)
         stage.tokens[:1].copy_(bonus.view(1))
         return torch.cat(parts + [torch.zeros(2 * nb, device=bonus.device)])
 

@@ -564,7 +564,7 @@ class TargetModel(nn.Module):
             p, l_, s0, n_ = (t.to(dev, non_blocking=True) for t in (path_nodes, last, start, n_nodes))
             if dev in self.gdn_groups:
                 self.gdn_groups[dev].commit(l_, p, n_)
-            if dev in self.kv_stacks and triton_gdn.available(p) and p.shape[0] & (p.shape[0] - 1) == 0:
+            if dev in self.kv_stacks and triton_gdn.available(p):
                 triton_gdn.kv_commit_(*self.kv_stacks[dev], p, s0)  # one kernel for all layers' K and V
             elif dev in self.kv_stacks:
                 src = s0 + p

@@ -218,23 +218,26 @@ def gdn_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, c: torch.Tens
 # ----------------------------------------------------------------------------- tree verify
 # A tree verify's GDN recurrence (gdn.tree_wy) in one kernel per layer instead of ~14 (batched GEMMs,
 # a triangular solve, pointwise): on a small model every launch counts. On by default for trees of
-# up to TREE_DEFAULT_NODES nodes (the forward substitution is serial in the nodes: bigger trees keep
-# tree_wy's cuBLAS solve); DDTREE_TRITON_TREE=1 takes it up to TREE_MAX_NODES, =0 turns it off.
+# up to 32 nodes whose tiles stay small (TREE_TILE; bigger ones keep tree_wy's cuBLAS path);
+# DDTREE_TRITON_TREE=1 takes it up to 128 nodes of any tile size, =0 turns it off.
 _TREE_ENV = os.environ.get("DDTREE_TRITON_TREE")
 TREE_MAX_NODES = 128 if _TREE_ENV == "1" else 0 if _TREE_ENV == "0" else 32
-TREE_TILE = 2048  # default: padded nodes x key width of a program's tiles at most this
+# padded nodes x key width of a program's tiles at most this (measured on an H200: 16 nodes at
+# dk 128 and 32 at dk 64 beat tree_wy, 32 at dk 128 lost to it by ~70 us per layer)
+TREE_TILE = 1 << 30 if _TREE_ENV == "1" else 2048
 # Tile products on tensor cores as three TF32 products (about fp32's accuracy: tested against
 # tree_wy at 1e-5 relative on the GPU); "ieee" is the FMA path, several times slower at 32 nodes.
 TREE_PRECISION = os.environ.get("DDTREE_TREE_PRECISION", "tf32x3")
 
 
+def _tile(n: int) -> int:
+    """A tile side for n rows or channels: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
 def tree_available(t: torch.Tensor, T: int, dk: int = 0) -> bool:
-    """The kernel for a T-node tree of key width dk? By default only while a program's [T, dk]
-    tiles stay small (measured on an H200: 16 nodes at dk 128 and 32 at dk 64 beat tree_wy, 32 at
-    dk 128 lost to it by ~70 us per layer); DDTREE_TRITON_TREE=1 lifts that."""
-    if not (available(t) and 1 < T <= TREE_MAX_NODES):
-        return False
-    return _TREE_ENV == "1" or max(16, 1 << (T - 1).bit_length()) * max(16, dk) <= TREE_TILE
+    """The kernel for a T-node tree of key width dk? (see TREE_MAX_NODES and TREE_TILE)"""
+    return available(t) and 1 < T <= TREE_MAX_NODES and _tile(T) * _tile(dk) <= TREE_TILE
 
 
 def _gdn_tree_kernel(
@@ -299,8 +302,8 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out):
     assert cb.stride(-1) == 1 and S0.is_contiguous()
     mask = path_mask.contiguous().view(torch.int8)
     o = torch.empty(T, H, dv, dtype=torch.float32, device=q.device)
-    BT = max(16, triton.next_power_of_2(T))
-    BV = max(16, min(32, triton.next_power_of_2(dv)))
+    BT = _tile(T)
+    BV = min(32, _tile(dv))
     kern = _kernel(_gdn_tree_kernel, interpret=not q.is_cuda)
     with _on_device_of(q):
         kern[(H, triton.cdiv(dv, BV))](
@@ -308,7 +311,7 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out):
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            T=T, DK=dk, DV=dv, BT=BT, BK=max(16, triton.next_power_of_2(dk)), BV=BV,
+            T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
             NSQ=max(0, (T - 1).bit_length() - 1), num_warps=8 if BT > 32 else 4,
             PREC=TREE_PRECISION if q.is_cuda else "ieee",
         )
@@ -316,16 +319,17 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out):
 
 
 # ----------------------------------------------------------------------------- attention K/V commit
-def _kv_commit_kernel(kc, vc, path, start, s_l, W: tl.constexpr, P: tl.constexpr, BW: tl.constexpr):
+def _kv_commit_kernel(kc, vc, path, start, s_l, W: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
+                      BW: tl.constexpr):
     # One program per (layer, K or V, block of BW channels): it loads the P path rows, waits for the
     # whole block to have loaded (a destination row may be another node's source), then stores.
     lyr = tl.program_id(0)
     cache = tl.where(tl.program_id(1) == 0, kc, vc)
     ow = tl.program_id(2) * BW + tl.arange(0, BW)
-    op = tl.arange(0, P)
+    op = tl.arange(0, PP)  # P rows, padded to a power of two
     s0 = tl.load(start)
-    src = s0 + tl.load(path + op)
-    m = ow[None, :] < W
+    src = s0 + tl.load(path + op, mask=op < P, other=0)
+    m = (op[:, None] < P) & (ow[None, :] < W)
     base = cache + lyr * s_l
     rows = tl.load(base + src[:, None] * W + ow[None, :], mask=m)
     tl.debug_barrier()
@@ -339,11 +343,12 @@ def kv_commit_(k_cache: torch.Tensor, v_cache: torch.Tensor, path_nodes: torch.T
     L, _, kvh, hd = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
     W, P = kvh * hd, path_nodes.shape[0]
-    BW = min(triton.next_power_of_2(W), max(16, 4096 // triton.next_power_of_2(P)))
+    PP = triton.next_power_of_2(P)
+    BW = min(triton.next_power_of_2(W), max(16, 4096 // PP))
     kern = _kernel(_kv_commit_kernel, interpret=not k_cache.is_cuda)
     with _on_device_of(k_cache):
         kern[(L, 2, triton.cdiv(W, BW))](k_cache, v_cache, path_nodes, start, k_cache.stride(0),
-                                          W=W, P=P, BW=BW, num_warps=4)
+                                          W=W, P=P, PP=PP, BW=BW, num_warps=4)
     return k_cache, v_cache
 
 

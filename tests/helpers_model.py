@@ -201,3 +201,20 @@ def compare_states(a, b, upto: int, tol: float) -> float:
     for k in sa:
         worst = max(worst, assert_rel(sa[k].float(), sb[k].float(), tol, f"state {k}"))
     return worst
+
+
+AUTO_CYCLE = [15, 4, 64, 8, 32, 64, 4]  # --budget auto forced to switch every round, both directions
+
+
+def force_budget_cycle(monkeypatch, cycle: list[int] = AUTO_CYCLE) -> list[int]:
+    """Make BudgetChooser.pick_eq return the budgets of `cycle` in turn (each with its E_q), so a
+    test sees every switch. -> the cycle."""
+    from ddtree.decoding import BudgetChooser
+
+    def forced(self, eq):
+        self.calls = getattr(self, "calls", -1) + 1
+        b = cycle[self.calls % len(cycle)]
+        return b, eq[b]
+
+    monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
+    return cycle

@@ -55,15 +55,9 @@ def test_auto_rounds_ahead_equal_host_loop_under_forced_switches(kind, monkeypat
     cycle through every budget (a switch each round, in both directions): the same tokens and
     per-round records (tree size, depth, accepted ranks), greedy and sampled, with a stop token."""
     from ddtree.sampling import SamplingParams
+    from tests.helpers_model import force_budget_cycle
 
-    cycle = [15, 4, 64, 8, 32, 64, 4]
-
-    def forced(self, eq):
-        self.calls = getattr(self, "calls", -1) + 1
-        b = cycle[self.calls % len(cycle)]
-        return b, eq[b]
-
-    monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
+    cycle = force_budget_cycle(monkeypatch)
     from ddtree.decoding import Decoder
 
     ahead_calls = []

@@ -30,16 +30,9 @@ def test_graphed_auto_switching_equals_eager_host_loop(monkeypatch):
     """--budget auto under CUDA graphs (rounds ahead, the tree kernel, the prefix-copy graph) with the
     chooser forced to switch budget every round, against eager host-tree rounds with the same
     switches: the same tokens and records, greedy and sampled."""
-    from ddtree.decoding import BudgetChooser
+    from tests.helpers_model import force_budget_cycle
 
-    cycle = [15, 4, 64, 8, 32, 64, 4]
-
-    def forced(self, eq):
-        self.calls = getattr(self, "calls", -1) + 1
-        b = cycle[self.calls % len(cycle)]
-        return b, eq[b]
-
-    monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
+    cycle = force_budget_cycle(monkeypatch)
     dec, _ = build_random_pair("hybrid", seed=5, device="cuda")
     eager = Decoder(dec.target, dec.drafter, use_graphs=False)
     eager.rounds_ahead = False

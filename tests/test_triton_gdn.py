@@ -186,7 +186,7 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(interpret, monkeypat
     assert toks[True] == toks[False] and calls
 
 
-@pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40)])
+@pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40), (7, 128)])
 def test_kv_commit_kernel_matches_index_copy(P, W):
     """The attention K/V commit kernel against index_select + index_copy_ on random paths whose
     source rows overlap their destinations (node i's destination may be node j's source), bit-exact."""
