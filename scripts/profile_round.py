@@ -5,7 +5,9 @@ Loads a target + drafter (default: the codepair fixture), decodes one prompt per
 capture the graphs, then decodes it again under torch.profiler and prints, per method: rounds,
 kernels per round, summed kernel time per round, wall time per round (the difference is the
 device idling on the host or on launch gaps), and the kernels that cost the most per round.
-On a small target every kernel launch counts; this shows which pieces to fuse. Example:
+On a small target every kernel launch counts; this shows which pieces to fuse. `--graphs` also
+replays every captured graph on its own (verify per tree size, the step after it) with its
+kernels; `--preset qwen3.6-27b` profiles random full-size weights instead. Example:
     python scripts/profile_round.py --target ../shared/fixtures/codepair/target \
         --drafter ../shared/fixtures/codepair/drafter --methods ar,dflash,ddtree:16 --out results/profile.json
 """
@@ -25,7 +27,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.checkpoint import load_drafter, load_target  # noqa: E402
 from ddtree.decoding import Decoder  # noqa: E402
+from ddtree.presets import PRESETS  # noqa: E402
 from ddtree.prompts import load_prompts  # noqa: E402
+from ddtree.testing import build_random_on_devices  # noqa: E402
+
+
+def graph_table(dec: Decoder, prof_cls, top: int) -> list[dict]:
+    """Each captured graph replayed on its own: median ms over 20 replays (the state restored after
+    each, so replays that commit do not run off the end), kernels in one replay, its top kernels."""
+    from torch.profiler import ProfilerActivity
+
+    snap = dec._snapshot()
+    rows = []
+    for key, g in list(dec._graphs.items()):
+        times = []
+        for _ in range(20):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1))
+            dec._restore(snap)
+        with prof_cls(activities=[ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            torch.cuda.synchronize()
+        dec._restore(snap)
+        ks = [(e.name, e.device_time_total) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        per = collections.defaultdict(lambda: [0, 0.0])
+        for name, us in ks:
+            per[name[:90]][0] += 1
+            per[name[:90]][1] += us
+        name = "/".join(str(x) for x in key[:4])
+        rows.append({"key": name, "ms": sorted(times)[len(times) // 2], "kernels": len(ks),
+                     "kernel_us": sum(us for _, us in ks),
+                     "top": [{"name": k, "n": v[0], "us": v[1]} for k, v in sorted(per.items(), key=lambda kv: -kv[1][1])]})
+        row = rows[-1]
+        print(f"  graph {name:40s} {row['ms'] * 1e3:8.1f} us/replay  {row['kernels']:4d} kernels  "
+              f"kernel time {row['kernel_us']:8.1f} us")
+        for t in row["top"][:top]:
+            print(f"      {t['us']:8.1f} us  x{t['n']:3d}  {t['name']}")
+    return rows
 
 
 def main():
@@ -41,6 +83,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--eager", action="store_true",
                     help="also run each method once without CUDA graphs and print the kernels per op and input shape")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time every captured graph on its own (replay ms, kernels per replay, top kernels)")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                    help="random weights of a full-size preset instead of --target/--drafter (a random prompt)")
+    ap.add_argument("--context", type=int, default=1024, help="prompt length with --preset")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_round.py needs a CUDA GPU")
@@ -48,12 +95,17 @@ def main():
     from transformers import AutoTokenizer
 
     dev = torch.device("cuda:0")
-    target, _ = load_target(a.target, [dev], torch.bfloat16, 4096)
-    drafter, _ = load_drafter(a.drafter, target, torch.bfloat16, 4096)
+    if a.preset:
+        mk_t, mk_d = PRESETS[a.preset]
+        target, drafter = build_random_on_devices(mk_t(), mk_d(), [dev], torch.bfloat16, a.context + 512)
+        ids = torch.randint(10, 1000, (a.context,)).tolist()
+    else:
+        target, _ = load_target(a.target, [dev], torch.bfloat16, 4096)
+        drafter, _ = load_drafter(a.drafter, target, torch.bfloat16, 4096)
+        tok = AutoTokenizer.from_pretrained(a.target)
+        prompts = a.prompts or str(Path(a.target).parent / "prompts.jsonl")
+        ids = tok(load_prompts(prompts)[0].text)["input_ids"][:512]
     dec = Decoder(target, drafter)
-    tok = AutoTokenizer.from_pretrained(a.target)
-    prompts = a.prompts or str(Path(a.target).parent / "prompts.jsonl")
-    ids = tok(load_prompts(prompts)[0].text)["input_ids"][:512]
     report = {}
     for spec in a.methods.split(","):
         method, _, b = spec.partition(":")
@@ -84,6 +136,10 @@ def main():
               f"{r['kernels_per_round']:.0f} kernels/round, kernel time {r['kernel_ms_per_round']:.3f} ms/round")
         for t in r["top"][: a.top]:
             print(f"   {t['us_per_round']:8.1f} us  x{t['per_round']:5.1f}  {t['name']}")
+        if a.graphs:
+            r["graphs"] = graph_table(dec, prof_cls=profile, top=min(a.top, 14))
+            dec._graphs.clear()  # the next method's table shows only its own graphs
+            dec._outs.clear()
         if a.eager:  # which op (and shapes) launched what: graphs hide that
             dec.use_graphs = False
             dec.generate(ids, method=method, budget=budget, max_new_tokens=8)
