@@ -263,7 +263,7 @@ class Decoder:
         self._graphs: dict = {}
         self._outs: dict = {}
         self._vsteps: dict = {}  # verify key -> {device: GDNGroup.step of that verify}
-        self._walks: dict = {}  # P -> static walk buffers (see _walk_buf)
+        self._walks: dict = {}  # static buffers of the step graphs: walk outputs per P, pack headers, constants
         self._verify_cost: dict = {}  # --budget auto: (context bucket, greedy, near the end) -> {budget: verify ms}
         # ar: launch step r + 1 before reading step r (see _ar_rounds). dflash / fixed-budget ddtree:
         # the next tree is built on the device and round r + 1 is launched before round r is read
@@ -280,12 +280,8 @@ class Decoder:
 
     # ------------------------------------------------------------------ pieces of a round
     def _draft_topk(self, bonus: torch.Tensor, kv_len: int, k: int, sp: SamplingParams):
-        logits = self.drafter.draft_logits(bonus, kv_len)  # [B-1, V]
-        if not sp.greedy:
-            logits = logits / sp.temperature
-        # [B-1, k]: top-k of the logits = top-k of the log-probs (k = 1, the chain: a max, not a radix select)
-        vals, ids = logits.max(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1)
-        return vals - torch.logsumexp(logits, -1, keepdim=True), ids  # no full [B-1, V] log_softmax
+        """[B-1, k] top-k log-probs and ids of the drafter's block (top-k of the logits = of the log-probs)."""
+        return self.drafter.draft_topk(bonus, kv_len, k, None if sp.greedy else sp.temperature)
 
     def _tree(self, method: str, bonus: int, draft: _Draft | None, budget: int, top1_first: bool) -> Tree:
         if method == "ar":
@@ -332,18 +328,35 @@ class Decoder:
                                     torch.ones((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev))
         return buf
 
-    def _walk(self, slot: _Slot, P: int):
+    def _const(self, x: float) -> torch.Tensor:
+        """A static fp32 [1] holding x (graphs read it; nothing writes it)."""
+        c = self._walks.get(("const", x))
+        if c is None:
+            c = self._walks[("const", x)] = torch.full((1,), x, device=self.target.device)
+        return c
+
+    def _pack_buf(self, P: int) -> torch.Tensor:
+        """Static fp32 [2 + 2P]: the header of a rounds-ahead step's packed output (see _accept)."""
+        buf = self._walks.get(("pack", P))
+        if buf is None:
+            buf = self._walks[("pack", P)] = torch.zeros(2 + 2 * P, device=self.target.device)
+        return buf
+
+    def _walk(self, slot: _Slot, P: int, pack: torch.Tensor | None = None):
         """Accepted path of the verified tree in `slot`, into the static walk buffers.
-        -> (path_nodes [P], n 0-dim, bonus 0-dim)."""
+        -> (path_nodes [P], n 0-dim, bonus 0-dim). With `pack` (fp32 [2 + 2 PK]) the walk kernel
+        also writes the host's header into it (see walk_kernel) and it is returned as a fourth
+        item: None where the torch walk ran (the caller packs then)."""
         path, n, bonus = self._walk_buf(P)
         if WALK_KERNEL and triton_gdn.available(slot.tokens):  # one kernel instead of ~15 (twin: walk)
-            walk_kernel(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P, (path, n, bonus))
-            return path, n, bonus
+            walk_kernel(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P, (path, n, bonus),
+                        ranks=None if pack is None else slot.ranks, pack=pack)
+            return (path, n, bonus) if pack is None else (path, n, bonus, pack)
         last, n_d, path_nodes = walk(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P)
         path.copy_(path_nodes)
         n.copy_(n_d)
         bonus.copy_(slot.choice.gather(0, last.view(1))[0])
-        return path, n, bonus
+        return (path, n, bonus) if pack is None else (path, n, bonus, None)
 
     def _commit(self, P: int):
         """Commit the walked path into the target's state and advance start_d. Runs after the
@@ -364,7 +377,7 @@ class Decoder:
             self._commit(P)
             slot.tokens[:1].copy_(bonus.view(1))  # and the bonus is the next step's token, on the device
         else:
-            self.drafter.add_context(taps.index_select(0, path_nodes.to(taps.device)), n_d)
+            self.drafter.add_context(taps, n_d, rows=path_nodes)
             lp, ids = self._draft_topk(bonus, draft_kv, k, sp)
             parts += [lp.flatten().to(bonus.device), ids.flatten().float().to(bonus.device)]
         return torch.cat(parts)
@@ -712,8 +725,8 @@ class Decoder:
         lp, ids = self._draft_topk(bonus, draft_kv, k, sp)
         ids = ids.to(into.tokens.device)
         if budget is None:  # the chain: bonus, then the drafter's top-1 per position (shape unchanged)
-            into.tokens.copy_(torch.cat([bonus.view(1), ids[:, 0]]))
-            depth = torch.full((1,), into.tokens.shape[0] - 1, device=into.tokens.device)
+            torch.cat([bonus.view(1), ids[:, 0]], out=into.tokens)
+            depth = self._const(float(into.tokens.shape[0] - 1))  # made before capture: no fill kernel per round
         else:
             lp = lp.to(ids.device)
             # auto: per prefix of b draft nodes, E_q(b) and its depth, for the host's choice of budget
@@ -749,12 +762,15 @@ class Decoder:
         """The start of every rounds-ahead step: walk a path of P_walk nodes, commit it, and add its
         rows to the drafter's context. -> (packed parts [n, bonus, path tokens (P), path ranks (P)],
         padded to P; n; bonus)."""
-        path, n, bonus = self._walk(slot, P_walk)
-        pad = [torch.zeros(P - P_walk, device=bonus.device)] if P > P_walk else []
-        parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(), *pad,
-                 slot.ranks.index_select(0, path).float(), *pad]
+        path, n, bonus, packed = self._walk(slot, P_walk, pack=self._pack_buf(P))
+        if packed is not None:  # the walk kernel wrote the header
+            parts = [packed]
+        else:
+            pad = [torch.zeros(P - P_walk, device=bonus.device)] if P > P_walk else []
+            parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(), *pad,
+                     slot.ranks.index_select(0, path).float(), *pad]
         self._commit(P_walk)
-        self.drafter.add_context(taps.index_select(0, path.to(taps.device)), n)
+        self.drafter.add_context(taps, n, rows=path)
         return parts, n, bonus
 
     def _step_plain(self, slot: _Slot, taps, P: int, stage: _Slot, nb: int):

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddtree.config import DrafterConfig
-from ddtree.target import MLP, RMSNorm, apply_rope, compiled, fused
+from ddtree.target import MLP, RMSNorm, _identity, apply_rope, compiled, fused
 
 
 def drafter_rope(cfg: DrafterConfig, max_len: int, device):
@@ -105,7 +105,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, plus_one=False)
         self.embed: nn.Embedding | None = None  # the target's (not registered: not ours to save)
         self.head: nn.Linear | None = None
-        self.gather_logits = lambda x: x  # set from the target under tensor parallelism
+        self.gather_logits = _identity  # set from the target (a vocab all-gather under tensor parallelism)
         self.ctx_len: torch.Tensor | None = None  # 0-dim long on the device: context rows cached
         self.compile_layers = False  # run the layers through torch.compile (set by the Decoder)
 
@@ -140,37 +140,85 @@ class DFlashDrafter(nn.Module):
         self.ctx_len.zero_()
 
     @torch.no_grad()
-    def add_context(self, taps: torch.Tensor, n_valid: torch.Tensor | int | None = None):
+    def add_context(self, taps: torch.Tensor, n_valid: torch.Tensor | int | None = None,
+                    rows: torch.Tensor | None = None):
         """Cache context K/V for the rows taps[:n_valid] ([R, taps*hidden]) at positions ctx_len.. .
+        rows ([R] long, optional): take taps[rows] instead (the accepted path of a tree; the
+        gather runs inside the compiled function).
 
         Rows past n_valid are written but stay beyond ctx_len (invisible, overwritten later), so
         the shape is fixed whatever was accepted.
         """
         taps = taps.to(self.device, non_blocking=True)
-        (compiled(_add_context) if self.compile_layers else _add_context)(self, taps)
-        self.ctx_len += taps.shape[0] if n_valid is None else n_valid.to(self.device) if torch.is_tensor(n_valid) else n_valid
+        rows = None if rows is None else rows.to(self.device, non_blocking=True)
+        (compiled(_add_context) if self.compile_layers else _add_context)(self, taps, rows)
+        R = taps.shape[0] if rows is None else rows.shape[0]
+        self.ctx_len += R if n_valid is None else n_valid.to(self.device) if torch.is_tensor(n_valid) else n_valid
+
+    def _fusable(self) -> bool:
+        """Can a round's whole draft (block embedding to top-k) be one compiled function? Not under
+        tensor parallelism (the vocab all-gather stays eager), nor with the embedding or lm_head on
+        another device, nor when draft_logits was replaced on the instance (tests' oracle drafters)."""
+        return (self.compile_layers and self.gather_logits is _identity and "draft_logits" not in self.__dict__
+                and self.embed.weight.device == self.head.weight.device == self.device)
+
+    @torch.no_grad()
+    def draft_topk(self, bonus: torch.Tensor, kv_len: int, k: int, temperature: float | None = None):
+        """Top-k log-probabilities (fp32 [B-1, k]) and ids ([B-1, k] long) of the block's positions
+        (logits / temperature when given). With compiled layers one compiled function from the
+        block's embedding to the top-k (the logit tail fuses into a reduction or two); its twin is
+        draft_logits + topk_logprobs (used elsewhere, and by tests)."""
+        if self._fusable():
+            return compiled(_draft_topk)(self, bonus.to(self.device), kv_len, k, temperature)
+        return topk_logprobs(self.draft_logits(bonus, kv_len), k, temperature)
 
     @torch.no_grad()
     def draft_logits(self, bonus: torch.Tensor, kv_len: int) -> torch.Tensor:
         """bonus: 0-dim long token at position ctx_len. Returns logits [B-1, vocab] (fp32) for
         positions ctx_len+1 .. ctx_len+B-1. kv_len: host int >= ctx_len (context rows to read)."""
-        cfg, dev = self.cfg, self.device
-        B = cfg.block_size
-        block = torch.full((B,), cfg.mask_token_id, dtype=torch.long, device=dev)
-        block[0] = bonus.to(dev)
-        x = F.embedding(block.to(self.embed.weight.device), self.embed.weight).to(dev)
-        if cfg.input_embedding_scale != 1.0:
-            x = x * cfg.input_embedding_scale
+        x = _block_embedding(self, bonus.to(self.device))
         h = (compiled(_block_hidden) if self.compile_layers else _block_hidden)(self, x, kv_len)
         h = h.to(self.head.weight.device)
-        logits = self.gather_logits(self.head(h)).float() * cfg.output_multiplier
-        if cfg.final_logit_softcapping:
-            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
-        return logits
+        return _logit_tail(self.cfg, self.gather_logits(self.head(h)))
 
 
-def _add_context(d: DFlashDrafter, taps: torch.Tensor):
-    """Context K/V of taps [R, taps*hidden] into every layer's cache at slots ctx_len.. (fixed shape)."""
+def topk_logprobs(logits: torch.Tensor, k: int, temperature: float | None = None):
+    """logits [R, V] -> top-k log-probabilities (fp32 [R, k]) and ids ([R, k] long); temperature
+    scales the logits first. k = 1 (the chain) takes a max, not a radix select."""
+    if temperature is not None:
+        logits = logits / temperature
+    vals, ids = logits.max(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1)
+    return vals - torch.logsumexp(logits, -1, keepdim=True), ids  # no full [R, V] log_softmax
+
+
+def _block_embedding(d: DFlashDrafter, bonus: torch.Tensor) -> torch.Tensor:
+    """The block [bonus, mask x (B-1)] embedded: [B, hidden] on the drafter's device."""
+    cfg = d.cfg
+    B = cfg.block_size
+    pos = torch.arange(B, device=bonus.device)
+    block = torch.where(pos == 0, bonus, torch.full_like(pos, cfg.mask_token_id))
+    x = F.embedding(block.to(d.embed.weight.device), d.embed.weight).to(d.device)
+    return x * cfg.input_embedding_scale if cfg.input_embedding_scale != 1.0 else x
+
+
+def _logit_tail(cfg: DrafterConfig, logits: torch.Tensor) -> torch.Tensor:
+    logits = logits.float() * cfg.output_multiplier
+    if cfg.final_logit_softcapping:
+        logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    return logits
+
+
+def _draft_topk(d: DFlashDrafter, bonus: torch.Tensor, kv_len: int, k: int, temperature: float | None):
+    """The whole draft of a round (compiled as one function; see DFlashDrafter.draft_topk)."""
+    h = _block_hidden(d, _block_embedding(d, bonus), kv_len)
+    return topk_logprobs(_logit_tail(d.cfg, d.head(h)), k, temperature)
+
+
+def _add_context(d: DFlashDrafter, taps: torch.Tensor, rows: torch.Tensor | None = None):
+    """Context K/V of taps [R, taps*hidden] (or taps[rows]) into every layer's cache at slots
+    ctx_len.. (fixed shape)."""
+    if rows is not None:
+        taps = taps.index_select(0, rows)
     R = taps.shape[0]
     h = d.hidden_norm(d.fc(taps.to(d.fc.weight.dtype)))
     slots = d.ctx_len + torch.arange(R, device=taps.device)

@@ -302,13 +302,16 @@ class GDNGroup:
     def ext(self, T: int):
         return self.ebuf[:, : self.hist + T]
 
-    def commit(self, last: torch.Tensor, path_nodes: torch.Tensor, n_nodes: torch.Tensor):
-        """State after tree node `last` = path_nodes[n_nodes - 1] (0-dim / [P] / 0-dim, on the device)."""
+    def commit(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor):
+        """State after tree node last = path_nodes[n_nodes - 1] ([P] / 0-dim, on the device)."""
         T, window, path_mask, chain = self.step
+        if triton_gdn.available(self.state) and not chain:  # two kernels: the state pass (path rows only), the conv rows
+            triton_gdn.gdn_commit_(self.state, *self.wy(T), path_nodes, n_nodes)
+            triton_gdn.conv_commit_(self.conv, self.ext(T), window, path_nodes, n_nodes)
+            return
+        last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
         if chain:  # a prefill chunk is committed whole: its final state is the state
             self.state.copy_(self.final_states)
-        elif triton_gdn.available(self.state):  # one read and write of the state, path rows only
-            triton_gdn.gdn_commit_(self.state, *self.wy(T), path_nodes, n_nodes)
         else:
             K, U, C = self.wy(T)
             gdn.commit_states_(self.state, K, U, C, last, path_mask)
@@ -559,11 +562,10 @@ class TargetModel(nn.Module):
         path_nodes [P] long and n_nodes, start 0-dim long, on self.device; no host sync. A few
         kernels per device: stacked K/V moves and one batched GDN state update.
         """
-        last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
         for dev in dict.fromkeys(self.layer_devices):
-            p, l_, s0, n_ = (t.to(dev, non_blocking=True) for t in (path_nodes, last, start, n_nodes))
+            p, s0, n_ = (t.to(dev, non_blocking=True) for t in (path_nodes, start, n_nodes))
             if dev in self.gdn_groups:
-                self.gdn_groups[dev].commit(l_, p, n_)
+                self.gdn_groups[dev].commit(p, n_)
             if dev in self.kv_stacks and triton_gdn.available(p):
                 triton_gdn.kv_commit_(*self.kv_stacks[dev], p, s0)  # one kernel for all layers' K and V
             elif dev in self.kv_stacks:

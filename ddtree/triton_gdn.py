@@ -215,6 +215,34 @@ def gdn_commit_(S: torch.Tensor, k: torch.Tensor, U: torch.Tensor, c: torch.Tens
     return S
 
 
+# ----------------------------------------------------------------------------- commit conv pass
+def _conv_commit_kernel(conv, ext, window, path, n_nodes, s_cl, s_el, s_w, C,
+                        HIST: tl.constexpr, BC: tl.constexpr):
+    lyr = tl.program_id(0)
+    oc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = oc < C
+    last = tl.load(path + tl.load(n_nodes) - 1)
+    for r in tl.static_range(HIST):  # `last`'s window row is oldest first, itself last: keep its newest HIST
+        row = tl.load(window + last * s_w + 1 + r)
+        tl.store(conv + lyr * s_cl + r * C + oc, tl.load(ext + lyr * s_el + row * C + oc, mask=mc), mask=mc)
+
+
+def conv_commit_(conv: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, path_nodes: torch.Tensor,
+                 n_nodes: torch.Tensor) -> torch.Tensor:
+    """In place: conv [L, hist, C] becomes the conv inputs on the path of last = path_nodes[n_nodes - 1]:
+    conv[:, r] = ext[:, window[last, 1 + r]] (one kernel for all layers). ext [L, hist + T, C] (the
+    group's view), window [T, hist + 1] long. Twin: the index_selects in GDNGroup.commit."""
+    L, hist, C = conv.shape
+    assert conv.is_contiguous() and ext.stride(-1) == 1 and ext.stride(1) == C and window.stride(-1) == 1
+    assert window.shape[1] == hist + 1
+    BC = min(1024, triton.next_power_of_2(C))
+    kern = _kernel(_conv_commit_kernel, interpret=not conv.is_cuda)
+    with _on_device_of(conv):
+        kern[(L, triton.cdiv(C, BC))](conv, ext, window, path_nodes, n_nodes, conv.stride(0), ext.stride(0),
+                                      window.stride(0), C, HIST=hist, BC=BC, num_warps=4)
+    return conv
+
+
 # ----------------------------------------------------------------------------- tree verify
 # A tree verify's GDN recurrence (gdn.tree_wy) in one kernel per layer instead of ~14 (batched GEMMs,
 # a triangular solve, pointwise): on a small model every launch counts. On by default for trees of
@@ -353,5 +381,5 @@ def kv_commit_(k_cache: torch.Tensor, v_cache: torch.Tensor, path_nodes: torch.T
 
 
 if triton is not None:  # made here, so that a compiled layer only looks them up
-    for _fn in (_gdn_step_kernel, _gdn_commit_kernel, _gdn_tree_kernel, _kv_commit_kernel):
+    for _fn in (_gdn_step_kernel, _gdn_commit_kernel, _conv_commit_kernel, _gdn_tree_kernel, _kv_commit_kernel):
         _kernel(_fn, interpret=False)

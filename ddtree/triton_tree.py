@@ -194,8 +194,9 @@ def tree_summary(lp: torch.Tensor, depths: torch.Tensor, ranks: torch.Tensor, ma
 
 
 # ----------------------------------------------------------------------------- the walk
-def _walk_kernel(tokens, parents, depths, mask, choice, path_out, n_out, bonus_out,
-                 T: tl.constexpr, P: tl.constexpr, TP: tl.constexpr, PP: tl.constexpr):
+def _walk_kernel(tokens, parents, depths, mask, choice, path_out, n_out, bonus_out, ranks, pack_out,
+                 T: tl.constexpr, P: tl.constexpr, TP: tl.constexpr, PP: tl.constexpr,
+                 PACK: tl.constexpr, PK: tl.constexpr, PKP: tl.constexpr):
     # One program, the whole tree in registers: a node is accepted when every node on its path
     # holds the token its parent's choice picked; the deepest accepted node ends the path.
     ot = tl.arange(0, TP)
@@ -219,23 +220,40 @@ def _walk_kernel(tokens, parents, depths, mask, choice, path_out, n_out, bonus_o
     node = tl.where(od <= d_last, node, last)
     tl.store(path_out + od, node.to(tl.int64), mask=od < P)
     tl.store(n_out, (d_last + 1).to(tl.int64))
-    tl.store(bonus_out, tl.load(choice + last))
+    bonus = tl.load(choice + last)
+    tl.store(bonus_out, bonus)
+    if PACK:  # the host's header, fp32: [n, bonus, path tokens (PK), path ranks (PK)], zeros past P
+        tl.store(pack_out, (d_last + 1).to(tl.float32))
+        tl.store(pack_out + 1, bonus.to(tl.float32))
+        mp = od < P
+        tl.store(pack_out + 2 + od, tl.load(tokens + node, mask=mp, other=0).to(tl.float32), mask=mp)
+        tl.store(pack_out + 2 + PK + od, tl.load(ranks + node, mask=mp, other=0).to(tl.float32), mask=mp)
+        oq = tl.arange(0, PKP)
+        pad = (oq >= P) & (oq < PK)
+        tl.store(pack_out + 2 + oq, tl.zeros([PKP], dtype=tl.float32), mask=pad)
+        tl.store(pack_out + 2 + PK + oq, tl.zeros([PKP], dtype=tl.float32), mask=pad)
 
 
-def walk_kernel(tokens, parents, depths, path_mask, choice, P: int, out: tuple):
+def walk_kernel(tokens, parents, depths, path_mask, choice, P: int, out: tuple, ranks=None, pack=None):
     """`decoding.walk` in one kernel, written into out = (path_nodes [P], n 0-dim, bonus 0-dim)
     (long, on the tree's device). tokens/parents/depths/choice [T] long, path_mask [T, T] bool
-    contiguous. -> out. Twin: decoding.walk (the path, n, and choice[last])."""
+    contiguous. With ranks [T] long and pack [2 + 2 PK] fp32 (PK >= P) it also writes the host's
+    header: [n, bonus, tokens[path] (PK), ranks[path] (PK)], zeros past P (the torch twin:
+    Decoder._accept's index_selects). -> out. Twin: decoding.walk (the path, n, and choice[last])."""
     T = tokens.shape[0]
     path, n, bonus = out
     for t in (tokens, parents, depths, choice, path):
         assert t.dtype == torch.long and t.stride(-1) == 1
     assert path_mask.is_contiguous()
+    PK = 0 if pack is None else (pack.shape[0] - 2) // 2
+    if pack is not None:
+        assert ranks is not None and ranks.dtype == torch.long and pack.dtype == torch.float32 and PK >= P
     kern = _kernel(_walk_kernel, interpret=not tokens.is_cuda)
     with _on_device_of(tokens):
         kern[(1,)](tokens, parents, depths, path_mask.view(torch.int8), choice, path, n, bonus,
+                   tokens if ranks is None else ranks, path if pack is None else pack,
                    T=T, P=P, TP=max(2, triton.next_power_of_2(T)), PP=max(2, triton.next_power_of_2(P)),
-                   num_warps=4)
+                   PACK=pack is not None, PK=PK, PKP=max(2, triton.next_power_of_2(max(PK, 1))), num_warps=4)
     return out
 
 

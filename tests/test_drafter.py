@@ -403,3 +403,38 @@ def test_slot0_is_the_bonus_embedding():
     a = d.draft_logits(torch.tensor(5), 7)
     b = d.draft_logits(torch.tensor(6), 7)
     assert (a - b).abs().max() > 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("k,temperature", [(1, None), (5, None), (5, 0.7)])
+def test_fused_draft_topk_equals_logits_then_topk(k, temperature):
+    """The fused draft (one compiled function from the block's embedding to the top-k) against its
+    twin, draft_logits + topk_logprobs, in float32 on fresh inputs: same ids, log-probs to 1e-5.
+    Context rows go in through add_context's compiled row gather (rows=) on one side and an eager
+    index_select on the other."""
+    from ddtree.drafter import topk_logprobs
+
+    target, d, raw_d = _pair(dict(layers=2, block_size=6))
+    ntap = len(d.cfg.target_layer_ids) * d.cfg.hidden_size
+    g = torch.Generator().manual_seed(k)
+    taps = torch.randn(9, ntap, generator=g)
+    rows = torch.tensor([0, 3, 4, 4, 4])
+    want, got = [], []
+    for fused in (False, True):
+        d.reset()
+        d.compile_layers = fused
+        d.add_context(taps[:4])
+        if fused:
+            d.add_context(taps, torch.tensor(3), rows=rows)
+        else:
+            d.add_context(taps.index_select(0, rows), torch.tensor(3))
+        assert d._fusable() == fused
+        for bonus in (5, 9):
+            out = d.draft_topk(torch.tensor(bonus), 12, k, temperature)
+            (got if fused else want).append(out)
+    d.compile_layers = False
+    want_direct = topk_logprobs(d.draft_logits(torch.tensor(9), 12), k, temperature)
+    assert torch.equal(want[1][1], want_direct[1])
+    for (lw, iw), (lg, ig) in zip(want, got):
+        assert torch.equal(iw, ig)
+        torch.testing.assert_close(lg, lw, rtol=1e-5, atol=1e-5)

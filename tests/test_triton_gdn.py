@@ -208,5 +208,30 @@ def test_kv_commit_kernel_matches_index_copy(P, W):
         assert torch.equal(k, ref[0]) and torch.equal(v, ref[1])
 
 
+@pytest.mark.parametrize("T,C", [(1, 40), (17, 96), (5, 1500)])
+def test_conv_commit_kernel_matches_index_select(T, C):
+    """The conv pass of a commit against GDNGroup.commit's index_selects: every layer's conv rows
+    become the newest inputs on the path of the walked path's last node (random trees, every n), bit-exact."""
+    from ddtree.gdn import conv_window_index
+
+    g_ = torch.Generator().manual_seed(T * C)
+    L, hist, cap = 3, 3, 20
+    for trial in range(4):
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g_)) for i in range(1, T)])
+        window = conv_window_index(parents, hist + 1).to(DEV)
+        ebuf = torch.randn(L, hist + cap, C, generator=g_).to(DEV, torch.bfloat16)
+        ext = ebuf[:, : hist + T]  # the group's view
+        conv = torch.randn(L, hist, C, generator=g_).to(DEV, torch.bfloat16)
+        P = 4
+        last = int(torch.randint(0, T, (1,), generator=g_))
+        n = int(torch.randint(1, P + 1, (1,), generator=g_))
+        path = torch.full((P,), last, dtype=torch.long)
+        path[: n - 1] = torch.randint(0, T, (n - 1,), generator=g_)  # only path[n - 1] may matter
+        path, n_d = path.to(DEV), torch.tensor(n, device=DEV)
+        ref = ext.index_select(1, window[last, 1:])
+        triton_gdn.conv_commit_(conv, ext, window, path, n_d)
+        assert torch.equal(conv, ref), (T, C, trial)
+
+
 def test_report_max_errors():
     ERR.report("triton_gdn")

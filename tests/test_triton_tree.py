@@ -182,7 +182,8 @@ def test_walk_kernel_equals_walk():
         for i in range(1, T):
             kids.setdefault(int(tree.parents[i]), []).append(int(tree.tokens[i]))
         t = [x.to(DEV).contiguous() for x in (tree.tokens, tree.parents, tree.depths, tree.ancestor_mask)]
-        for trial in range(12 if DEV.type == "cpu" else 4):
+        ranks = torch.randint(0, 64, (T,), generator=g).to(DEV)
+        for trial in range(12):
             choice = torch.randint(0, 50, (T,), generator=g)
             for i in range(T):  # steer often into the tree
                 if i in kids and torch.rand(1, generator=g) < 0.85:
@@ -195,5 +196,13 @@ def test_walk_kernel_equals_walk():
             walk_kernel(*t[:3], t[3], choice, P, out)
             assert out[0].tolist() == path.tolist() and int(out[1]) == int(n), (T, P)
             assert int(out[2]) == int(choice[last])
+            # with the host's header: [n, bonus, tokens[path], ranks[path]], zero-padded to PK >= P
+            PK = P + trial % 2 * 3
+            pack = torch.full((2 + 2 * PK,), -5.0, device=DEV)
+            walk_kernel(*t[:3], t[3], choice, P, out, ranks=ranks, pack=pack)
+            pad = torch.zeros(PK - P, device=DEV)
+            want = torch.cat([n.view(1).float(), choice[last].view(1).float(), t[0][path].float(), pad,
+                              ranks[path].float(), pad])
+            assert torch.equal(pack, want), (T, P, PK)
             deep += int(n) > 2
     assert deep > 10  # the walks went deep, not just the root
