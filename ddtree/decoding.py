@@ -99,6 +99,7 @@ class _Draft:
 AUTO_BUDGETS = (4, 8, 15, 32, 64)  # 15 draft nodes = the block-16 chain's verify size
 PLAIN_PROBE = 16  # --budget auto: after this many plain steps in a row, one drafts again (fresh E_q)
 AUTO_TOPK = 32  # drafter top-k columns of auto's trees (a 64-node tree rarely needs a 33rd token per position)
+CLIMB_EVERY = 8  # --budget auto: two rounds in this many stage a tree one budget above the choice
 
 
 class BudgetChooser:
@@ -125,20 +126,36 @@ class BudgetChooser:
         self.plain_ms = plain_ms  # verify of the bonus alone with taps, or None: trees only
         self.fixed_plain_ms = 0.0
         self.n_plain = 0
+        bs = sorted(verify_ms)
+        self.last_tree = bs[min(2, len(bs) - 1)] if bs else 0  # the last tree budget chosen (15 by default)
 
     def pick(self, scores: list[float]) -> tuple[int, float]:
         """scores: path log-probabilities of a best-first tree's nodes (root first).
         -> (budget, its predicted accepted length E_q)."""
         return self.pick_eq(expected_accepts(scores, self.verify_ms))
 
-    def pick_eq(self, eq: dict[int, float]) -> tuple[int, float]:
-        """eq: budget -> E_q(budget) of the tree at hand (or the latest one seen)."""
+    def pick_eq(self, eq: dict[int, float], cap: int | None = None) -> tuple[int, float]:
+        """eq: budget -> E_q(budget) of the tree at hand (or the latest one seen); the candidates are
+        the budgets it covers, up to cap (the budget of the tree that will be truncated)."""
         r = self.acc / self.pred
-        rate = {b: (1 + r * eq[b]) / (self.verify_ms[b] + self.fixed_ms) for b in self.verify_ms}  # tokens / ms
+        rate = {b: (1 + r * eq[b]) / (self.verify_ms[b] + self.fixed_ms) for b in self.verify_ms
+                if b in eq and (cap is None or b <= cap)}  # tokens / ms
         best = max(rate, key=rate.get)
         if self.plain_ms is not None and 1.0 / (self.plain_ms + self.fixed_plain_ms) > rate[best]:
             return 0, 0.0
         return best, eq[best]
+
+    def build_for(self, b: int, r: int) -> int:
+        """Rounds ahead: the budget of the tree round r's step stages for round r + 1, given round
+        r's own budget b (0: a plain step). Building bigger than the choice costs more drafting
+        work than it returns, so it is b itself, except in two consecutive rounds of every
+        CLIMB_EVERY, one budget above b (the next round then sees a bigger tree's E_q and may
+        truncate it: the choice can climb); after plain steps, the last tree budget chosen."""
+        if b == 0:
+            return self.last_tree
+        self.last_tree = b
+        up = [x for x in sorted(self.verify_ms) if x > b]
+        return up[0] if up and r % CLIMB_EVERY < 2 else b
 
     def update_plain(self, wall_ms: float):
         """A plain step's wall time (rounds ahead: the time between two reads)."""
@@ -299,6 +316,10 @@ class Decoder:
         """Auto's staging tree of T nodes (rounds ahead): never verified itself, only copied from."""
         if -T not in self._slots:
             self._slots[-T] = _Slot(T, self.target.device)
+            # a valid tree from the start: a plain step writes only the root's token into it, and the
+            # root's parent must be the committed prefix (-1), not node 0
+            self._slots[-T].load(Tree.chain(torch.zeros(T, dtype=torch.long)))
+            self._slots[-T]._shape = (None, None)
         return self._slots[-T]
 
     def _verify(self, slot: _Slot, kv_len: int, greedy: bool, taps: bool):
@@ -715,8 +736,9 @@ class Decoder:
                     into: _Slot | None = None, auto_budgets: tuple = ()):
         """Everything after a verify when rounds run ahead, in one graph: walk, commit, drafter,
         and the next tree written into `into` (default `slot`) on the device (budget None: the
-        DFlash chain). auto_budgets: `into` is auto's staging tree (of the largest budget B); each
-        prefix of b = 1..B draft nodes (the best-first tree of budget b) is summarised for the host.
+        DFlash chain). auto_budgets: `into` is one of auto's staging trees (of budget B = `budget`); each
+        prefix of b = 1..B draft nodes (the best-first tree of budget b) is summarised for the host,
+        zero-padded to the largest of auto_budgets.
         -> packed floats: [n, bonus, path tokens (P), path ranks (P), next tree's depth], or with
         auto_budgets [..., E_q(b) for b = 1..B, depth of b's prefix for b = 1..B] in place of the depth."""
         into = slot if into is None else into
@@ -755,7 +777,8 @@ class Decoder:
                 if summary is not None:
                     summary = tree_summary(lp, depths, ranks, mask)
             if summary is not None:
-                depth = torch.cat([summary[0], summary[1].float()])
+                pad = [torch.zeros(auto_budgets[-1] - budget, device=lp.device)] if auto_budgets[-1] > budget else []
+                depth = torch.cat([summary[0], *pad, summary[1].float(), *pad])
         return torch.cat(parts + [depth.float()])
 
     def _accept(self, slot: _Slot, taps, P_walk: int, P: int):
@@ -796,10 +819,13 @@ class Decoder:
         host reads round r (one pinned copy + event per round, as in `_ar_rounds`), so the host's
         work overlaps the device's. Reference twin: the round loop (rounds_ahead=False).
 
-        --budget auto (chooser): every round builds the tree of the largest budget into a staging
-        slot; the host picks round r + 1's budget when it queues it (from the acceptance seen in
-        the rounds read so far and the latest tree's E_q curve) and a tiny graph copies that
-        prefix into the budget's own slot."""
+        --budget auto (chooser): every drafting round builds a best-first tree into a staging slot
+        of its build budget; the host picks round r + 1's budget when it queues it (from the
+        acceptance seen in the rounds read so far and the latest tree's E_q curve, among the
+        budgets the staged tree covers) and a tiny graph copies that prefix into the budget's own
+        slot. The build budget is the budget chosen for the round (a bigger tree costs more to
+        build and summarise than it gives back), one level above it every CLIMB_EVERY-th round
+        (so the choice can climb), and after plain steps the last tree budget chosen."""
         P = self.block_size
         budgets = tuple(sorted(chooser.verify_ms)) if chooser is not None else ()
         if budgets:
@@ -809,7 +835,8 @@ class Decoder:
             stage._shape = (None, None)
             # per round: (E_q per budget, depth per budget) of its tree; round 0's from the host tree
             summary = {0: (expected_accepts(tree.scores, budgets), {b: int(tree.depths[: b + 1].max()) for b in budgets})}
-            b_build, T0 = budgets[-1], None
+            T0 = None
+            built = {-1: budgets[-1]}  # round -> build budget of the tree its step staged (-1: the host's tree)
         else:
             T0 = tree.num_nodes
             slot = self._slot(T0)
@@ -828,17 +855,24 @@ class Decoder:
 
         def launch(r: int, start_bound: int):
             plain = False
+            b_build, k_r, into = None if method == "dflash" else budget, k, None
             if budgets:  # round r's budget, from what the host knows now (round r's own tree may still be in flight)
-                b = chooser.pick_eq(latest[0])[0] if drafted[r - 1] else 0
+                src = built[r - 1]  # the staged tree this round truncates
+                b = chooser.pick_eq(latest[0], cap=src)[0] if drafted[r - 1] else 0
                 plain, T = b == 0, b + 1
                 slot = self._slot(T)
                 slot._shape = (None, None)
-                self._run(("trunc", T, b_build), lambda: self._trunc(stage, slot))
+                src_stage = self._stage(src + 1)
+                self._run(("trunc", T, src), lambda: self._trunc(src_stage, slot))
                 plain_run[0] = plain_run[0] + 1 if plain else 0
+                b_build = built[r] = chooser.build_for(b, r)
+                built.pop(r - 2, None)
+                into = self._stage(b_build + 1)
+                k_r = min(k, b_build)
             else:
                 T, slot = T0, self._slot(T0)
             sizes[r] = T
-            into = stage if budgets else slot
+            into = into if budgets else slot
             kv_len = min(_bucket(start_bound + T, self.bucket), self.max_len)
             draft_kv = min(_bucket(start_bound + P, self.bucket), self.max_len)
             e0 = clock.now()
@@ -846,12 +880,12 @@ class Decoder:
             e1 = clock.now()
             drafted[r] = not plain or plain_run[0] % PLAIN_PROBE == 0
             if drafted[r]:
-                packed = self._run(("ahead", vkey, P, draft_kv, k, sampling, b_build, into.tokens.shape[0], budgets),
-                                   lambda: self._step_ahead(slot, taps, P, draft_kv, k, sampling, b_build, into, budgets),
+                packed = self._run(("ahead", vkey, P, draft_kv, k_r, sampling, b_build, into.tokens.shape[0], budgets),
+                                   lambda: self._step_ahead(slot, taps, P, draft_kv, k_r, sampling, b_build, into, budgets),
                                    keep=(into.ints, into.mask, into.ranks))  # the step rewrites its own inputs
-            else:
-                packed = self._run(("plain", vkey, P, nb), lambda: self._step_plain(slot, taps, P, stage, nb),
-                                   keep=(stage.ints,))
+            else:  # the bonus becomes the root of the staged tree the next (plain) round truncates
+                packed = self._run(("plain", vkey, P, nb, into.tokens.shape[0]),
+                                   lambda: self._step_plain(slot, taps, P, into, nb), keep=(into.ints,))
             drafted.pop(r - 1, None)
             e2 = clock.now()
             ring.put(r, packed)
@@ -884,7 +918,8 @@ class Decoder:
                     chooser.update(T - 1, eq[T - 1], n - 1, (now - t_last) * 1e3)
                 t_last = now
                 if h[o + nb] >= 1:  # the step drafted a tree (its depth-of-one-node prefix is 1)
-                    summary[r + 1] = ({b: h[o + b - 1] for b in budgets}, {b: int(h[o + nb + b - 1]) for b in budgets})
+                    cover = [b for b in budgets if b <= built[r]]
+                    summary[r + 1] = ({b: h[o + b - 1] for b in cover}, {b: int(h[o + nb + b - 1]) for b in cover})
                     latest[0] = summary[r + 1][0]
                 else:
                     summary[r + 1] = None

@@ -207,14 +207,21 @@ AUTO_CYCLE = [15, 4, 64, 8, 32, 64, 4]  # --budget auto forced to switch every r
 
 
 def force_budget_cycle(monkeypatch, cycle: list[int] = AUTO_CYCLE) -> list[int]:
-    """Make BudgetChooser.pick_eq return the budgets of `cycle` in turn (each with its E_q), so a
-    test sees every switch. -> the cycle."""
+    """Make BudgetChooser.pick_eq return the budgets of `cycle` in turn (0: a plain step), so a
+    test sees every switch, and build_for stage each round the tree the next choice truncates (the
+    cycle's next tree budget: the staged trees change size every round too). -> the cycle."""
     from ddtree.decoding import BudgetChooser
 
-    def forced(self, eq):
+    def forced(self, eq, cap=None):
         self.calls = getattr(self, "calls", -1) + 1
         b = cycle[self.calls % len(cycle)]
-        return b, eq[b]
+        assert cap is None or b <= cap, f"the staged tree ({cap}) does not cover the forced budget {b}"
+        return (b, eq.get(b, 0.0)) if b else (0, 0.0)
+
+    def build(self, b, r):
+        i = self.calls % len(cycle)
+        return next(x for x in cycle[i + 1:] + cycle if x)  # the next tree budget after this one
 
     monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
+    monkeypatch.setattr(BudgetChooser, "build_for", build)
     return cycle

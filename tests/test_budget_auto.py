@@ -99,6 +99,22 @@ def test_plain_step_wins_only_where_trees_cannot_pay():
     assert BudgetChooser({4: 10.0}).pick(scores)[0] == 4  # no plain_ms: trees only
 
 
+def test_staged_tree_follows_the_choice_and_climbs():
+    """Rounds ahead, auto stages the tree it chose (not the largest), one budget up in two
+    consecutive rounds of every CLIMB_EVERY (so the next choice can take the bigger tree), and
+    after plain steps the last tree budget chosen; an E_q curve only offers what the staged tree covers."""
+    from ddtree.decoding import CLIMB_EVERY
+
+    ch = BudgetChooser({4: 1.0, 8: 1.0, 15: 1.0, 32: 1.0, 64: 1.0}, plain_ms=0.5)
+    assert ch.build_for(0, 5) == 15  # no tree chosen yet: the chain's size
+    assert [ch.build_for(15, r) for r in range(2 * CLIMB_EVERY)] == \
+        ([32, 32] + [15] * (CLIMB_EVERY - 2)) * 2
+    assert ch.build_for(0, 3) == 15 and ch.build_for(64, 0) == 64 and ch.build_for(4, 1) == 8
+    assert ch.build_for(0, 2) == 4
+    eq = {4: 3.0, 8: 5.0}  # a tree of budget 8: cheap verifies, so the largest covered wins
+    assert ch.pick_eq(eq)[0] == 8 and ch.pick_eq(eq, cap=4)[0] == 4
+
+
 @pytest.mark.parametrize("kind", ["hybrid", "dense"])
 def test_auto_plain_steps_are_exact(kind, monkeypatch):
     """--budget auto rounds ahead with plain steps forced in (runs of them, a probe that drafts
@@ -106,15 +122,10 @@ def test_auto_plain_steps_are_exact(kind, monkeypatch):
     rounds are recorded as tree size 0, and trees follow only a step that drafted."""
     from ddtree import decoding
 
+    from tests.helpers_model import force_budget_cycle
+
     monkeypatch.setattr(decoding, "PLAIN_PROBE", 3)
-    cycle = [8, 0, 0, 0, 0, 32, 0, 15, 0, 0, 0, 0, 0, 4]
-
-    def forced(self, eq):
-        self.calls = getattr(self, "calls", -1) + 1
-        b = cycle[self.calls % len(cycle)]
-        return (b, eq[b]) if b else (0, 0.0)
-
-    monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
+    cycle = force_budget_cycle(monkeypatch, [8, 0, 0, 0, 0, 32, 0, 15, 0, 0, 0, 0, 0, 4])
     dec, _ = build_random_pair(kind, seed=7)
     prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
     ar = dec.generate(prompt, "ar", max_new_tokens=48).token_ids
