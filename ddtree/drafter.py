@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddtree.config import DrafterConfig
-from ddtree.target import MLP, RMSNorm, _identity, apply_rope, compiled, fused
+from ddtree.target import MLP, RMSNorm, _identity, apply_rope, compiled, fused, residual
 
 
 def drafter_rope(cfg: DrafterConfig, max_len: int, device):
@@ -235,6 +235,6 @@ def _block_hidden(d: DFlashDrafter, x: torch.Tensor, kv_len: int) -> torch.Tenso
     q_pos = d.ctx_len + torch.arange(B, device=x.device)
     cos, sin = d.cos[q_pos], d.sin[q_pos]
     for layer in d.layers:
-        x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, d.ctx_len, kv_len, q_pos)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = residual(x, layer.self_attn(layer.input_layernorm(x), cos, sin, d.ctx_len, kv_len, q_pos))
+        x = residual(x, layer.mlp(layer.post_attention_layernorm(x)))
     return d.norm(x[1:])

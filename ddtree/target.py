@@ -342,8 +342,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         # `reduce` sums the partial outputs of row-parallel projections under tensor parallelism.
-        x = x + self.reduce(self.mixer(self.input_layernorm(x), s))
-        return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
+        x = residual(x, self.reduce(self.mixer(self.input_layernorm(x), s)))
+        return residual(x, self.reduce(self.mlp(self.post_attention_layernorm(x))))
+
+
+def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y, written so that inductor does not fold the add into y's GEMM (a cuBLAS addmm with
+    beta = 1): that needs a copy of x into the output first, one more kernel per residual than
+    the add fused into the next norm, and it rounds once where the eager model rounds twice. The
+    unsqueezes keep the add from matching inductor's mm + add pattern; eager, they are free views."""
+    return (x[None] + y[None])[0]
 
 
 def _mark_dynamic(s: Step) -> None:

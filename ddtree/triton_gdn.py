@@ -87,6 +87,7 @@ def _gdn_step_kernel(
     mk, mv = ok < DK, ov < DV
     f32 = tl.float32
     dt = out.dtype.element_ty  # the model dtype: its roundings are spelt out (rtne, as torch rounds)
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)  # [DK, DV] fp32
     cq = kh * DK + ok  # channels of q, k, v in the conv input
     ck = KD + kh * DK + ok
     cv = 2 * KD + h * DV + ov
@@ -126,8 +127,7 @@ def _gdn_step_kernel(
     a = tl.load(proj + zb + HV + h).to(f32) + tl.load(dt_bias + h).to(f32)
     g = tl.load(neg_a + h) * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # softplus, threshold 20
     beta = 1.0 / (1.0 + tl.exp(-b))
-    # against the state: one [DK, DV] fp32 tile per head
-    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    # against the state (its tile loaded first thing: the load's latency hides behind the conv and norms)
     kS = tl.sum(k[:, None] * S, 0)  # [BV]
     qS = tl.sum(q[:, None] * S, 0)
     ec = tl.exp(g)
