@@ -130,6 +130,10 @@ def test_decoding_through_the_kernels_equals_torch_path(interpret, monkeypatch, 
     kernel, ddtree's trees built by the tree kernel, every walk in the walk kernel) equal the torch path's."""
     from ddtree import decoding
 
+    if budget == "auto":  # on a GPU the timed choice may be plain steps throughout: force trees in
+        from tests.helpers_model import force_budget_cycle
+
+        force_budget_cycle(monkeypatch)
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     toks, kernel_trees, kernel_walks = {}, [], []
     real, real_walk = decoding.build_tree_kernel, decoding.walk_kernel
