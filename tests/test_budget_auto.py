@@ -133,6 +133,7 @@ def test_auto_plain_steps_are_exact(kind, monkeypatch):
     assert rec.token_ids == ar
     sizes = [r.tree_size for r in rec.rounds]
     assert 0 in sizes and any(s > 0 for s in sizes[sizes.index(0):])
+    assert set(sizes) - {0} <= set(cycle) and 32 in sizes  # up from 8 to 32 across plain steps: staged at 32
     assert all(r.committed == 1 and r.accepted == 0 for r in rec.rounds if r.tree_size == 0)
     # a run of plain steps is left only after a drafting one: the PLAIN_PROBE-th (3rd) in a row
     run = 0
