@@ -499,6 +499,7 @@ def run_bench(
     # the fused GDN decode-step and commit kernels (ddtree.triton_gdn) ran
     meta["triton_gdn"] = bool(dec.target.gdn_groups) and triton_gdn.available(dec.target.embed_tokens.weight)
     meta["triton_tree_verify"] = meta["triton_gdn"] and triton_gdn.TREE_MAX_NODES  # tree-verify kernel up to this many nodes (0: off)
+    meta["tree_prologue"] = meta["triton_gdn"] and triton_gdn.TREE_PROLOGUE  # DDTREE_TREE_PROLOGUE=1: GDN prologue in the tree kernel
     doc = make_run_document(meta, [{k: r[k] for k in ("method", "budget", "records", "speedup_vs_ar", "block_size")}
                                    for r in results])
     for run, r, (_, b) in zip(doc["runs"], results, plan):

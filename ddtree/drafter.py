@@ -4,7 +4,8 @@ One forward per round over the block [bonus, mask x (B-1)] at positions start..s
 values are [context rows ; block rows]: context rows come from the target's residual stream at
 the tapped layers, `hidden_norm(fc(concat(taps)))`, projected by each layer's k/v (no input norm);
 block rows from the layer's normed hidden state. Context K/V are cached (positions 0..start-1);
-block K/V are recomputed every round and never stored. The drafter has no embedding and no
+block K/V are recomputed every round, written past the context (the next context rows overwrite
+them) so that the keys are one slice of the cache. The drafter has no embedding and no
 lm_head: it borrows the target's.
 """
 
@@ -68,11 +69,15 @@ class DraftAttention(nn.Module):
             [self.h * self.hd, 2 * self.kvh * self.hd], dim=-1)
         q = apply_rope(self.q_norm(q.reshape(B, self.h, self.hd)), cos, sin)
         kb, vb = self._split(kv, cos, sin)
-        k = torch.cat([self.k_cache[:kv_len], kb])  # [kv_len + B, kvh, hd]
-        v = torch.cat([self.v_cache[:kv_len], vb])
-        key_pos = torch.cat([torch.arange(kv_len, device=x.device), q_pos])
-        valid = torch.cat([torch.arange(kv_len, device=x.device) < ctx_len, torch.ones(B, dtype=torch.bool, device=x.device)])
-        mask = valid[None, :].expand(B, -1)
+        # The block's rows go into the cache at their positions ctx_len.. (past the context: the next
+        # add_context overwrites them), so keys are one slice of the cache, key position = row:
+        # no copy of the whole context per round.
+        self.k_cache.index_copy_(0, q_pos, kb)
+        self.v_cache.index_copy_(0, q_pos, vb)
+        S = kv_len + B  # rows ctx_len + B .. S - 1 are stale: masked
+        k, v = self.k_cache[:S], self.v_cache[:S]  # [S, kvh, hd]
+        key_pos = torch.arange(S, device=x.device)
+        mask = (key_pos < ctx_len + B)[None, :].expand(B, -1)
         if self.causal:
             mask = mask & (key_pos[None, :] <= q_pos[:, None])
         if self.window is not None:
@@ -121,7 +126,8 @@ class DFlashDrafter(nn.Module):
         dev, dt = self.device, self.fc.weight.dtype
         for layer in self.layers:
             a = layer.self_attn
-            a.k_cache = torch.zeros(max_len, a.kvh, a.hd, device=dev, dtype=dt)
+            # + a block: the block's own rows are written past the context (see DraftAttention.forward)
+            a.k_cache = torch.zeros(max_len + self.cfg.block_size, a.kvh, a.hd, device=dev, dtype=dt)
             a.v_cache = torch.zeros_like(a.k_cache)
         self.cos, self.sin = drafter_rope(self.cfg, max_len + self.cfg.block_size, dev)
         self.max_len = max_len

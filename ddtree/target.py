@@ -238,6 +238,8 @@ class GatedDeltaNet(nn.Module):
         if T == 1 and not s.chain and triton_gdn.available(x):  # decode step: one fused kernel
             proj = F.linear(x, fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
             return self.out_proj(triton_gdn.gdn_step(self, proj.view(-1)).view(1, -1))
+        if not s.chain and triton_gdn.TREE_PROLOGUE and triton_gdn.tree_available(x, T, self.dk):
+            return self._tree_fused(x, s)  # the whole mixer between the projections in one kernel + the norm
         q, k, v, g, beta, z, ext = self.qkvgb(x, s)
         if s.chain:  # prefill chunk (fla's kernel on GPU when usable): the commit takes the final state
             o, final = gdn.chain_final(q, k, v, g, beta, self.rec_state, s.path_mask)
@@ -250,6 +252,19 @@ class GatedDeltaNet(nn.Module):
             else:
                 o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=scratch)
         o = self.norm(o.to(x.dtype), z)  # [T, hv, dv]
+        return self.out_proj(o.reshape(T, -1))
+
+    def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        """A small tree's verify with the prologue inside the tree kernel (triton_gdn.gdn_tree_prologue;
+        twin: the qkvgb + gdn_tree path of forward)."""
+        T = x.shape[0]
+        proj = F.linear(x, fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        qkv, z = proj[:, : self.conv_dim], proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
+        ext = torch.cat([self.conv_state, qkv], out=self.ext_buf[: self.width - 1 + T])  # [width-1+T, C]: the commit reads it
+        kb, ub, cb = self.wy_bufs
+        o = triton_gdn.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask,
+                                         (kb[:, :T], ub[:, :T], cb[:, :T]))
+        o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, -1))
 
     def commit(self, last: torch.Tensor):

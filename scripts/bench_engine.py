@@ -273,7 +273,8 @@ def main():
     from ddtree import triton_gdn
 
     out = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-           "triton_gdn": triton_gdn.ENABLED, "triton_tree_verify": triton_gdn.ENABLED and triton_gdn.TREE_MAX_NODES}
+           "triton_gdn": triton_gdn.ENABLED, "triton_tree_verify": triton_gdn.ENABLED and triton_gdn.TREE_MAX_NODES,
+           "tree_prologue": triton_gdn.ENABLED and triton_gdn.TREE_PROLOGUE}  # DDTREE_TREE_PROLOGUE=1
     out["copy_GBps"] = copy_bandwidth() / 1e9
     print(f"copy bandwidth {out['copy_GBps']:.0f} GB/s", file=sys.stderr)
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -297,7 +298,8 @@ def main():
 
 def report(out: dict):
     bw = out["copy_GBps"]
-    print(f"\n== {out['gpu']}  {out['date']}  torch {out['torch']}  copy {bw:.0f} GB/s")
+    print(f"\n== {out['gpu']}  {out['date']}  torch {out['torch']}  copy {bw:.0f} GB/s"
+          + ("  (DDTREE_TREE_PROLOGUE=1)" if out.get("tree_prologue") else ""))
     for part in ("main", "dense"):
         if part not in out:
             continue

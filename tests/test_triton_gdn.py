@@ -174,6 +174,57 @@ def test_tree_kernel_matches_tree_wy(monkeypatch, cfg):
             ERR.note("tree verify scratch", assert_rel(a, b, 1e-5, f"T={T}"))
 
 
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_tree_prologue_kernel_matches_torch_prologue(cfg):
+    """The tree kernel with the layer's prologue inside (tree convolution + SiLU from the conv
+    inputs, q/k l2 norms, head repeat, gates from the projection) against qkvgb + tree_wy on random
+    trees and random conv states: outputs, commit scratch, and the whole mixer's output."""
+    import torch.nn.functional as F
+
+    from ddtree.target import fused
+    from ddtree.tree import ancestor_mask_from_parents
+
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
+    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
+    g_ = torch.Generator().manual_seed(6)
+    for T in (2, 3, 9, 17, 33):
+        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
+        mask = ancestor_mask_from_parents(parents).to(DEV)
+        x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
+        layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_))
+        layer.rec_state.copy_(torch.randn(layer.rec_state.shape, generator=g_) * 0.5)
+        s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
+        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
+        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
+        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
+        ref = [t.clone() for t in scratch]
+        proj = F.linear(x, fused(layer, "_win", layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a))
+        got = [torch.zeros_like(t) for t in scratch]
+        o = triton_gdn.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
+        ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"T={T}"))
+        for a, b in zip(got, ref):
+            ERR.note("tree prologue scratch", assert_rel(a, b, 1e-5, f"T={T}"))
+        want = layer.forward(x, s)  # the torch prologue (TREE_PROLOGUE off) ...
+        ERR.note("tree prologue mixer", assert_rel(layer._tree_fused(x, s), want, 1e-5, f"T={T}"))
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 8)])
+def test_decoding_through_the_prologue_kernel_equals_torch_path(interpret, monkeypatch, method, budget):
+    """Whole decoders with every tree verify's GDN layer in the prologue kernel (DDTREE_TREE_PROLOGUE=1):
+    greedy tokens equal the torch path's, and the kernel was used."""
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    calls, real = [], triton_gdn.gdn_tree_prologue
+    monkeypatch.setattr(triton_gdn, "gdn_tree_prologue", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_gdn, "TREE_TILE", 1 << 20)
+    toks = {}
+    for on in (True, False):
+        monkeypatch.setattr(triton_gdn, "TREE_PROLOGUE", on)
+        monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
+        toks[on] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
+    assert toks[True] == toks[False] and calls
+
+
 @pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 8)])
 def test_decoding_through_the_tree_kernel_equals_torch_path(interpret, monkeypatch, method, budget):
     """Whole decoders with every tree verify's GDN recurrence in the kernel: greedy tokens
