@@ -823,9 +823,9 @@ class Decoder:
         of its build budget; the host picks round r + 1's budget when it queues it (from the
         acceptance seen in the rounds read so far and the latest tree's E_q curve, among the
         budgets the staged tree covers) and a tiny graph copies that prefix into the budget's own
-        slot. The build budget is the budget chosen for the round (a bigger tree costs more to
-        build and summarise than it gives back), one level above it every CLIMB_EVERY-th round
-        (so the choice can climb), and after plain steps the last tree budget chosen."""
+        slot. The build budget comes from BudgetChooser.build_for: the round's own budget, one
+        budget up in two rounds of every CLIMB_EVERY (so the choice can climb), and after plain
+        steps the last tree budget chosen."""
         P = self.block_size
         budgets = tuple(sorted(chooser.verify_ms)) if chooser is not None else ()
         if budgets:
@@ -855,7 +855,7 @@ class Decoder:
 
         def launch(r: int, start_bound: int):
             plain = False
-            b_build, k_r, into = None if method == "dflash" else budget, k, None
+            b_build, k_r = (None if method == "dflash" else budget), k
             if budgets:  # round r's budget, from what the host knows now (round r's own tree may still be in flight)
                 src = built[r - 1]  # the staged tree this round truncates
                 b = chooser.pick_eq(latest[0], cap=src)[0] if drafted[r - 1] else 0
@@ -868,11 +868,11 @@ class Decoder:
                 b_build = built[r] = chooser.build_for(b, r)
                 built.pop(r - 2, None)
                 into = self._stage(b_build + 1)
-                k_r = min(k, b_build)
+                k_r = min(k, b_build)  # a best-first tree of B nodes takes at most the top B per depth
             else:
                 T, slot = T0, self._slot(T0)
+                into = slot
             sizes[r] = T
-            into = into if budgets else slot
             kv_len = min(_bucket(start_bound + T, self.bucket), self.max_len)
             draft_kv = min(_bucket(start_bound + P, self.bucket), self.max_len)
             e0 = clock.now()
