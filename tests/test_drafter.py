@@ -406,7 +406,7 @@ def test_slot0_is_the_bonus_embedding():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("k,temperature", [(1, None), (5, None), (5, 0.7)])
+@pytest.mark.parametrize("k,temperature", [(1, None), (5, 0.7)])
 def test_fused_draft_topk_equals_logits_then_topk(k, temperature):
     """The fused draft (one compiled function from the block's embedding to the top-k) against its
     twin, draft_logits + topk_logprobs, in float32 on fresh inputs: same ids, log-probs to 1e-5.
