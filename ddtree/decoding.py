@@ -349,11 +349,12 @@ class Decoder:
                                     torch.ones((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev))
         return buf
 
-    def _const(self, x: float) -> torch.Tensor:
-        """A static fp32 [1] holding x (graphs read it; nothing writes it)."""
-        c = self._walks.get(("const", x))
+    def _full(self, n: int, x: float) -> torch.Tensor:
+        """A static fp32 [n] holding x: graphs read it and nothing writes it, so a graph that packs a
+        constant (a chain's depth, zero padding) has no fill kernel per replay."""
+        c = self._walks.get(("full", n, x))
         if c is None:
-            c = self._walks[("const", x)] = torch.full((1,), x, device=self.target.device)
+            c = self._walks[("full", n, x)] = torch.full((n,), x, device=self.target.device)
         return c
 
     def _pack_buf(self, P: int) -> torch.Tensor:
@@ -365,19 +366,22 @@ class Decoder:
 
     def _walk(self, slot: _Slot, P: int, pack: torch.Tensor | None = None):
         """Accepted path of the verified tree in `slot`, into the static walk buffers.
-        -> (path_nodes [P], n 0-dim, bonus 0-dim). With `pack` (fp32 [2 + 2 PK]) the walk kernel
-        also writes the host's header into it (see walk_kernel) and it is returned as a fourth
-        item: None where the torch walk ran (the caller packs then)."""
+        -> (path_nodes [P], n 0-dim, bonus 0-dim). With `pack` (fp32 [2 + 2 PK], PK >= P) the host's
+        header goes into it too: [n, bonus, path tokens (PK), path ranks (PK)], zeros past P."""
         path, n, bonus = self._walk_buf(P)
         if WALK_KERNEL and triton_gdn.available(slot.tokens):  # one kernel instead of ~15 (twin: walk)
             walk_kernel(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P, (path, n, bonus),
                         ranks=None if pack is None else slot.ranks, pack=pack)
-            return (path, n, bonus) if pack is None else (path, n, bonus, pack)
+            return path, n, bonus
         last, n_d, path_nodes = walk(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P)
         path.copy_(path_nodes)
         n.copy_(n_d)
         bonus.copy_(slot.choice.gather(0, last.view(1))[0])
-        return (path, n, bonus) if pack is None else (path, n, bonus, None)
+        if pack is not None:
+            pad = torch.zeros((pack.shape[0] - 2) // 2 - P, device=pack.device)
+            pack.copy_(torch.cat([n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(),
+                                  pad, slot.ranks.index_select(0, path).float(), pad]))
+        return path, n, bonus
 
     def _commit(self, P: int):
         """Commit the walked path into the target's state and advance start_d. Runs after the
@@ -748,7 +752,7 @@ class Decoder:
         ids = ids.to(into.tokens.device)
         if budget is None:  # the chain: bonus, then the drafter's top-1 per position (shape unchanged)
             torch.cat([bonus.view(1), ids[:, 0]], out=into.tokens)
-            depth = self._const(float(into.tokens.shape[0] - 1))  # made before capture: no fill kernel per round
+            depth = self._full(1, float(into.tokens.shape[0] - 1))
         else:
             lp = lp.to(ids.device)
             # auto: per prefix of b draft nodes, E_q(b) and its depth, for the host's choice of budget
@@ -777,7 +781,7 @@ class Decoder:
                 if summary is not None:
                     summary = tree_summary(lp, depths, ranks, mask)
             if summary is not None:
-                pad = [torch.zeros(auto_budgets[-1] - budget, device=lp.device)] if auto_budgets[-1] > budget else []
+                pad = [self._full(auto_budgets[-1] - budget, 0.0)] if auto_budgets[-1] > budget else []
                 depth = torch.cat([summary[0], *pad, summary[1].float(), *pad])
         return torch.cat(parts + [depth.float()])
 
@@ -785,13 +789,9 @@ class Decoder:
         """The start of every rounds-ahead step: walk a path of P_walk nodes, commit it, and add its
         rows to the drafter's context. -> (packed parts [n, bonus, path tokens (P), path ranks (P)],
         padded to P; n; bonus)."""
-        path, n, bonus, packed = self._walk(slot, P_walk, pack=self._pack_buf(P))
-        if packed is not None:  # the walk kernel wrote the header
-            parts = [packed]
-        else:
-            pad = [torch.zeros(P - P_walk, device=bonus.device)] if P > P_walk else []
-            parts = [n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(), *pad,
-                     slot.ranks.index_select(0, path).float(), *pad]
+        pack = self._pack_buf(P)
+        path, n, bonus = self._walk(slot, P_walk, pack=pack)
+        parts = [pack]
         self._commit(P_walk)
         self.drafter.add_context(taps, n, rows=path)
         return parts, n, bonus
@@ -803,7 +803,7 @@ class Decoder:
         `_step_ahead` packs, with an empty summary."""
         parts, n, bonus = self._accept(slot, taps, 1, P)  # one node: a path of one (fewer rows to commit and add)
         stage.tokens[:1].copy_(bonus.view(1))
-        return torch.cat(parts + [torch.zeros(2 * nb, device=bonus.device)])
+        return torch.cat(parts + [self._full(2 * nb, 0.0)])
 
     def _trunc(self, stage: _Slot, slot: _Slot):
         """Auto's tree for this round: the first T nodes of the staging tree (a best-first tree's

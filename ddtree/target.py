@@ -214,12 +214,22 @@ class GatedDeltaNet(nn.Module):
                                        -self.A_log.float().exp())
         return c
 
+    def in_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused input projection: [T, hidden] -> [T, C + hv*dv + 2 hv] (qkv | z | b | a)."""
+        return F.linear(x, fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+
+    def project(self, x: torch.Tensor):
+        """-> (the input projection [T, N], ext [width-1+T, C]: the conv state rows, then the new qkv
+        rows, in the layer's scratch, where the convolution and the commit read them)."""
+        proj = self.in_proj(x)
+        ext = torch.cat([self.conv_state, proj[:, : self.conv_dim]], out=self.ext_buf[: self.width - 1 + x.shape[0]])
+        return proj, ext
+
     def qkvgb(self, x: torch.Tensor, s: Step):
         """Projections + tree convolution -> q, k (normalised, per value head), v, g, beta, z, ext."""
         T = x.shape[0]
-        w = fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        qkv, z, b, a = F.linear(x, w).split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
-        ext = torch.cat([self.conv_state, qkv], out=self.ext_buf[: self.width - 1 + T])  # [width-1+T, C]
+        proj, ext = self.project(x)
+        _, z, b, a = proj.split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
         mixed = gdn.tree_conv(ext, s.window, self._consts()[0])  # [T, C]
         kd = self.hk * self.dk
         qk, v = mixed.split([2 * kd, self.hv * self.dv], dim=-1)  # q and k are adjacent channels
@@ -236,8 +246,7 @@ class GatedDeltaNet(nn.Module):
         # GDN layer (ddtree.target.compiled_layer). What a commit needs is in the group's scratch.
         T = x.shape[0]
         if T == 1 and not s.chain and triton_gdn.available(x):  # decode step: one fused kernel
-            proj = F.linear(x, fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
-            return self.out_proj(triton_gdn.gdn_step(self, proj.view(-1)).view(1, -1))
+            return self.out_proj(triton_gdn.gdn_step(self, self.in_proj(x).view(-1)).view(1, -1))
         if not s.chain and triton_gdn.TREE_PROLOGUE and triton_gdn.tree_available(x, T, self.dk):
             return self._tree_fused(x, s)  # the whole mixer between the projections in one kernel + the norm
         q, k, v, g, beta, z, ext = self.qkvgb(x, s)
@@ -258,9 +267,8 @@ class GatedDeltaNet(nn.Module):
         """A small tree's verify with the prologue inside the tree kernel (triton_gdn.gdn_tree_prologue;
         twin: the qkvgb + gdn_tree path of forward)."""
         T = x.shape[0]
-        proj = F.linear(x, fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
-        qkv, z = proj[:, : self.conv_dim], proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
-        ext = torch.cat([self.conv_state, qkv], out=self.ext_buf[: self.width - 1 + T])  # [width-1+T, C]: the commit reads it
+        proj, ext = self.project(x)
+        z = proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
         kb, ub, cb = self.wy_bufs
         o = triton_gdn.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask,
                                          (kb[:, :T], ub[:, :T], cb[:, :T]))

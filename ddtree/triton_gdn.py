@@ -298,7 +298,7 @@ def _gdn_tree_kernel(
         kh = h // REP  # the key head of this value head
         cq = kh * DK + ok  # conv channels of q, k and v
         ck = KD + kh * DK + ok
-        cv = 2 * KD + ov
+        cv = 2 * KD + h * DV + ov
         aq = tl.zeros([BT, BK], dtype=f32)
         ak = tl.zeros([BT, BK], dtype=f32)
         av = tl.zeros([BT, BV], dtype=f32)
@@ -308,8 +308,8 @@ def _gdn_tree_kernel(
                 tl.load(ext + row[:, None] * C + cq[None, :], mask=mtk, other=0.0).to(f32)
             ak += tl.load(conv_w + j * C + ck, mask=mk, other=0.0)[None, :] * \
                 tl.load(ext + row[:, None] * C + ck[None, :], mask=mtk, other=0.0).to(f32)
-            av += tl.load(conv_w + j * C + cv + h * DV, mask=mv, other=0.0)[None, :] * \
-                tl.load(ext + row[:, None] * C + (cv + h * DV)[None, :], mask=mtv, other=0.0).to(f32)
+            av += tl.load(conv_w + j * C + cv, mask=mv, other=0.0)[None, :] * \
+                tl.load(ext + row[:, None] * C + cv[None, :], mask=mtv, other=0.0).to(f32)
         # SiLU, rounded to the model dtype as tree_conv's output is; then the l2 norms (q also * DK^-0.5)
         Q = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
         K = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
@@ -392,7 +392,8 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     o = torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
     BT = _tile(T)
     BV = min(32, _tile(dv))
-    if pro is None:  # unused pointer / int arguments of the prologue
+    prologue = pro is not None
+    if not prologue:  # the prologue's pointer / int arguments go unused
         pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
     kern = _kernel(_gdn_tree_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
@@ -404,7 +405,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
             NSQ=max(0, (T - 1).bit_length() - 1), num_warps=8 if BT > 32 else 4,
             PREC=TREE_PRECISION if S0.is_cuda else "ieee",
-            PROLOGUE=pro[0] is not S0, REP=pro[9], KD=pro[10], W=pro[11],
+            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
         )
     return o
 

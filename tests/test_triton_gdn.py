@@ -179,9 +179,6 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
     """The tree kernel with the layer's prologue inside (tree convolution + SiLU from the conv
     inputs, q/k l2 norms, head repeat, gates from the projection) against qkvgb + tree_wy on random
     trees and random conv states: outputs, commit scratch, and the whole mixer's output."""
-    import torch.nn.functional as F
-
-    from ddtree.target import fused
     from ddtree.tree import ancestor_mask_from_parents
 
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
@@ -200,7 +197,7 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
         scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
         ref = [t.clone() for t in scratch]
-        proj = F.linear(x, fused(layer, "_win", layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a))
+        proj = layer.in_proj(x)
         got = [torch.zeros_like(t) for t in scratch]
         o = triton_gdn.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
         ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"T={T}"))
