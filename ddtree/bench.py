@@ -453,7 +453,7 @@ def run_bench(
         for method, budget in {m: (m, b) for m, b in plan}.values():
             for p, ids in {len(ids): (p, ids) for p, ids in encoded}.values():
                 gen(method, budget, ids, p.id, 1)
-        logger.debug(f"warm-up done ({warmup} round(s) over the shortest and longest prompts per run)")
+        logger.debug(f"warm-up done ({warmup} round(s) over the shortest and longest prompts per run, then one prefill per prompt length and method)")
 
     results: list[dict] = []
     ar_rate = None

@@ -378,7 +378,7 @@ class Decoder:
         n.copy_(n_d)
         bonus.copy_(slot.choice.gather(0, last.view(1))[0])
         if pack is not None:
-            pad = torch.zeros((pack.shape[0] - 2) // 2 - P, device=pack.device)
+            pad = self._full((pack.shape[0] - 2) // 2 - P, 0.0)
             pack.copy_(torch.cat([n.view(1).float(), bonus.view(1).float(), slot.tokens.index_select(0, path).float(),
                                   pad, slot.ranks.index_select(0, path).float(), pad]))
         return path, n, bonus
@@ -747,7 +747,7 @@ class Decoder:
         auto_budgets [..., E_q(b) for b = 1..B, depth of b's prefix for b = 1..B] in place of the depth."""
         into = slot if into is None else into
         slot._shape = into._shape = (None, None)  # rewritten on the device: no upload shortcut for a host load
-        parts, n, bonus = self._accept(slot, taps, P, P)
+        head, n, bonus = self._accept(slot, taps, P, P)
         lp, ids = self._draft_topk(bonus, draft_kv, k, sp)
         ids = ids.to(into.tokens.device)
         if budget is None:  # the chain: bonus, then the drafter's top-1 per position (shape unchanged)
@@ -783,27 +783,26 @@ class Decoder:
             if summary is not None:
                 pad = [self._full(auto_budgets[-1] - budget, 0.0)] if auto_budgets[-1] > budget else []
                 depth = torch.cat([summary[0], *pad, summary[1].float(), *pad])
-        return torch.cat(parts + [depth.float()])
+        return torch.cat([head, depth.float()])
 
     def _accept(self, slot: _Slot, taps, P_walk: int, P: int):
         """The start of every rounds-ahead step: walk a path of P_walk nodes, commit it, and add its
-        rows to the drafter's context. -> (packed parts [n, bonus, path tokens (P), path ranks (P)],
-        padded to P; n; bonus)."""
+        rows to the drafter's context. -> (the packed header [n, bonus, path tokens (P), path ranks
+        (P)], zeros past P_walk; n; bonus)."""
         pack = self._pack_buf(P)
         path, n, bonus = self._walk(slot, P_walk, pack=pack)
-        parts = [pack]
         self._commit(P_walk)
         self.drafter.add_context(taps, n, rows=path)
-        return parts, n, bonus
+        return pack, n, bonus
 
     def _step_plain(self, slot: _Slot, taps, P: int, stage: _Slot, nb: int):
         """--budget auto's plain step (after a verify of the bonus alone): walk, commit, the drafter's
         context += the accepted row, and no drafter forward; the chosen token becomes the staging
         tree's root (the next round is plain too, or its tree is drafted from it). Packed as
         `_step_ahead` packs, with an empty summary."""
-        parts, n, bonus = self._accept(slot, taps, 1, P)  # one node: a path of one (fewer rows to commit and add)
+        head, n, bonus = self._accept(slot, taps, 1, P)  # one node: a path of one (fewer rows to commit and add)
         stage.tokens[:1].copy_(bonus.view(1))
-        return torch.cat(parts + [self._full(2 * nb, 0.0)])
+        return torch.cat([head, self._full(2 * nb, 0.0)])
 
     def _trunc(self, stage: _Slot, slot: _Slot):
         """Auto's tree for this round: the first T nodes of the staging tree (a best-first tree's

@@ -258,7 +258,8 @@ TREE_TILE = 1 << 30 if _TREE_ENV == "1" else 2048
 TREE_PRECISION = os.environ.get("DDTREE_TREE_PRECISION", "tf32x3")
 # DDTREE_TREE_PROLOGUE=1: the tree kernel also does the layer's prologue (the tree convolution + SiLU,
 # q/k l2 norms, the head repeat, the gates) from the projection, ~5 kernels a layer fewer (twin: the
-# torch prologue + gdn_tree). Opt-in until measured on a GPU.
+# torch prologue + gdn_tree). Opt-in: on an H200 it gained ~6% on codepair's 16-node chains and lost
+# ~1.5% on its 17-node trees (docs/PERFORMANCE.md, session 7).
 TREE_PROLOGUE = os.environ.get("DDTREE_TREE_PROLOGUE") == "1"
 
 

@@ -239,7 +239,7 @@ def walk_kernel(tokens, parents, depths, path_mask, choice, P: int, out: tuple, 
     (long, on the tree's device). tokens/parents/depths/choice [T] long, path_mask [T, T] bool
     contiguous. With ranks [T] long and pack [2 + 2 PK] fp32 (PK >= P) it also writes the host's
     header: [n, bonus, tokens[path] (PK), ranks[path] (PK)], zeros past P (the torch twin:
-    Decoder._accept's index_selects). -> out. Twin: decoding.walk (the path, n, and choice[last])."""
+    Decoder._walk's index_selects). -> out. Twin: decoding.walk (the path, n, and choice[last])."""
     T = tokens.shape[0]
     path, n, bonus = out
     for t in (tokens, parents, depths, choice, path):
