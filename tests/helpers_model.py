@@ -225,3 +225,12 @@ def force_budget_cycle(monkeypatch, cycle: list[int] = AUTO_CYCLE) -> list[int]:
     monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
     monkeypatch.setattr(BudgetChooser, "build_for", build)
     return cycle
+
+
+def draft_from_logits(logits_fn):
+    """A drafter's `draft_topk` whose logits come from logits_fn(bonus, kv_len) -> [B-1, V] (the
+    tests' oracle drafters): set it on the drafter instance; the decoder drafts only through
+    draft_topk, and this is its unfused path with other logits."""
+    from ddtree.drafter import topk_logprobs
+
+    return lambda bonus, kv_len, k, temperature=None: topk_logprobs(logits_fn(bonus, kv_len), k, temperature)

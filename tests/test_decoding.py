@@ -11,6 +11,7 @@ from ddtree.errors import DDTreeError
 from ddtree.testing import (build_random_drafter, build_random_pair, build_random_target, tiny_drafter_config,
                             tiny_hybrid_config)
 from ddtree.tree import Tree, ancestor_mask_from_parents
+from helpers_model import draft_from_logits
 
 BUDGETS = (1, 2, 7, 32, 128)
 NEW = 36
@@ -66,7 +67,7 @@ def _check_records(rec, method: str, block_size: int, budget: int | None = None,
 # --------------------------------------------------------------------------------------------
 
 class Oracle:
-    """Replaces drafter.draft_logits with logits that rank the true continuation first at most
+    """Drafts (drafter.draft_topk) from logits that rank the true continuation first at most
     depths; at some depths a decoy takes rank 0 and the truth rank 1 (a chain stops there, a
     tree continues through the sibling); past `horizon` the truth is absent (drafts are noise)."""
 
@@ -74,8 +75,7 @@ class Oracle:
         self.d, self.full, self.slip, self.horizon = dec.drafter, full, slip_every, horizon
         self.bad_bonus = 0
         self.calls = 0
-        self.orig = self.d.draft_logits
-        self.d.draft_logits = self
+        self.d.draft_topk = draft_from_logits(self)
 
     def __call__(self, bonus, kv_len):
         d = self.d
@@ -102,7 +102,7 @@ class Oracle:
         return logits.to(d.device)
 
     def restore(self):
-        self.d.draft_logits = self.orig
+        del self.d.draft_topk  # the class's own again
 
 
 @pytest.fixture(scope="module")

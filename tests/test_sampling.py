@@ -20,6 +20,7 @@ from ddtree.decoding import Decoder
 from ddtree.errors import DDTreeError
 from ddtree.sampling import SamplingParams, choose, processed_probs
 from ddtree.testing import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
+from helpers_model import draft_from_logits
 
 V = 8
 PROMPT = [2, 5, 3, 7, 1]
@@ -260,7 +261,7 @@ def test_ar_sampling_matches_exact(ar_t1, exact_t1):
 
 
 def test_ddtree_sampling_matches_exact_and_ar(pair, exact_t1, ar_t1, monkeypatch):
-    monkeypatch.setattr(pair.drafter, "draft_logits", MarginalDrafter(pair, exact_t1))
+    monkeypatch.setattr(pair.drafter, "draft_topk", draft_from_logits(MarginalDrafter(pair, exact_t1)))
     counts, acc = run_counts(pair, "ddtree", BUDGET, T1, range(10_000, 10_000 + N_EXACT))
     assert acc > 0.8  # the trees were accepted into: the first round usually commits t2 and t3
     _check_exact(f"ddtree-{BUDGET}, T=1", counts, exact_t1, acc)
@@ -271,7 +272,7 @@ def test_ddtree_sampling_matches_exact_and_ar(pair, exact_t1, ar_t1, monkeypatch
 
 
 def test_dflash_sampling_matches_exact(pair, exact_t1, monkeypatch):
-    monkeypatch.setattr(pair.drafter, "draft_logits", MarginalDrafter(pair, exact_t1))
+    monkeypatch.setattr(pair.drafter, "draft_topk", draft_from_logits(MarginalDrafter(pair, exact_t1)))
     counts, acc = run_counts(pair, "dflash", 1, T1, range(20_000, 20_000 + 300))
     assert acc > 0.3
     _check_exact("dflash, T=1", counts, exact_t1, acc)
@@ -343,7 +344,7 @@ def _biased_shared_noise(monkeypatch):
 
 @pytest.mark.parametrize("rule", ["threshold", "shared_noise"])
 def test_biased_rules_fail(pair, exact_t1, ar_t1, monkeypatch, rule):
-    monkeypatch.setattr(pair.drafter, "draft_logits", MarginalDrafter(pair, exact_t1))
+    monkeypatch.setattr(pair.drafter, "draft_topk", draft_from_logits(MarginalDrafter(pair, exact_t1)))
     (_biased_threshold if rule == "threshold" else _biased_shared_noise)(monkeypatch)
     n = N_BIASED[rule]
     counts, acc = run_counts(pair, "ddtree", BUDGET, T1, range(40_000, 40_000 + n))
