@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from ddtree.checkpoint import load_drafter, load_target, parse_dtype
-    from ddtree.decoding import Decoder
+    from ddtree.model.checkpoint import load_drafter, load_target, parse_dtype
+    from ddtree.decode.decoder import Decoder
     from ddtree.errors import DDTreeError
 
     if args.from_json:

@@ -30,12 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree.config import TargetConfig  # noqa: E402
-from ddtree.decoding import Decoder, _bucket  # noqa: E402
-from ddtree.presets import PRESETS  # noqa: E402
-from ddtree.target import weight_bytes_per_token  # noqa: E402
-from ddtree.testing import build_random_on_devices  # noqa: E402
-from ddtree.tree import build_tree  # noqa: E402
+from ddtree.model.config import TargetConfig  # noqa: E402
+from ddtree.decode.decoder import Decoder, _bucket  # noqa: E402
+from ddtree.model.presets import PRESETS  # noqa: E402
+from ddtree.model.target import weight_bytes_per_token  # noqa: E402
+from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
+from ddtree.ops.tree import build_tree  # noqa: E402
 
 
 def event_time(fn, reps=20, warmup=3) -> float:
@@ -85,7 +85,7 @@ def time_verify(dec: Decoder, T: int, start: int, taps: bool = True):
 def time_commit_draft(dec: Decoder, key, slot, start: int, P: int, k: int):
     """Replay times of the draft graph (walk + drafter; None without a drafter: then the walk
     alone) and of the commit graph after the verify `key`, state restored after each replay."""
-    from ddtree.sampling import SamplingParams
+    from ddtree.decode.sampling import SamplingParams
 
     sp = SamplingParams()
     snap = dec._snapshot()
@@ -114,7 +114,7 @@ def time_commit_draft(dec: Decoder, key, slot, start: int, P: int, k: int):
 
 def hf_ms_per_token(target, raw_cfg: dict, ctx: int, steps: int = 5) -> float | None:
     """transformers' own Qwen3_5ForCausalLM / Qwen3ForCausalLM sharing our weight tensors."""
-    from ddtree.testing import hf_class_and_config, hf_state_dict
+    from ddtree.model.synthetic import hf_class_and_config, hf_state_dict
 
     try:
         cls, hf_cfg = hf_class_and_config(raw_cfg, attn="sdpa")
@@ -235,7 +235,7 @@ def bench_preset(name: str, devices: list[str], contexts: list[int], budgets: li
 
 def codepair_bench(d: Path, device: str, limit: int, out: str, budgets: str = "8,16,32,64,auto") -> dict:
     """`ddtree bench` on the real trained pair: tok/s per method, each as a ratio to ar in this run."""
-    from ddtree.bench import run_bench
+    from ddtree.app.bench import run_bench
 
     doc = run_bench(str(d / "target"), str(d / "drafter"), prompts=str(d / "prompts.jsonl"), raw=True,
                     budgets=budgets, devices=device, limit=limit, max_new_tokens=192, progress=False,
@@ -270,7 +270,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_engine.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
-    from ddtree import triton_gdn
+    from ddtree.ops import gdn_kernels as triton_gdn
 
     out = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
            "triton_gdn": triton_gdn.ENABLED, "triton_tree_verify": triton_gdn.ENABLED and triton_gdn.TREE_MAX_NODES,

@@ -20,12 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree.config import TargetConfig  # noqa: E402
-from ddtree.decoding import Decoder  # noqa: E402
-from ddtree.presets import PRESETS  # noqa: E402
-from ddtree.target import weight_bytes_per_token  # noqa: E402
-from ddtree.testing import build_random_on_devices  # noqa: E402
-from ddtree import tp  # noqa: E402
+from ddtree.model.config import TargetConfig  # noqa: E402
+from ddtree.decode.decoder import Decoder  # noqa: E402
+from ddtree.model.presets import PRESETS  # noqa: E402
+from ddtree.model.target import weight_bytes_per_token  # noqa: E402
+from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
+from ddtree.parallel import tp  # noqa: E402
 
 
 def jobs_for(prompt, n):
@@ -49,8 +49,8 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
     layout) vs one device with those weights. -> {setup: {method: equal}}."""
     import tempfile
 
-    from ddtree.checkpoint import save_checkpoint
-    from ddtree.testing import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
+    from ddtree.model.checkpoint import save_checkpoint
+    from ddtree.model.synthetic import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
 
     raw_t = tiny_hybrid_config(vocab=128, layers=("linear_attention",) * 3 + ("full_attention",)
                                + ("linear_attention",) * 3 + ("full_attention",))  # every dim divisible by 2

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree.testing import build_random_target, hf_reference, tiny_hybrid_config  # noqa: E402
+from ddtree.model.synthetic import build_random_target, hf_reference, tiny_hybrid_config  # noqa: E402
 
 
 def main():

@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree.checkpoint import load_drafter, load_target  # noqa: E402
-from ddtree.decoding import Decoder  # noqa: E402
-from ddtree.presets import PRESETS  # noqa: E402
-from ddtree.prompts import load_prompts  # noqa: E402
-from ddtree.testing import build_random_on_devices  # noqa: E402
+from ddtree.model.checkpoint import load_drafter, load_target  # noqa: E402
+from ddtree.decode.decoder import Decoder  # noqa: E402
+from ddtree.model.presets import PRESETS  # noqa: E402
+from ddtree.app.prompts import load_prompts  # noqa: E402
+from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
 
 
 def graph_table(dec: Decoder, prof_cls, top: int) -> list[dict]:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree.config import TargetConfig  # noqa: E402
-from ddtree.presets import qwen36_27b_config  # noqa: E402
+from ddtree.model.config import TargetConfig  # noqa: E402
+from ddtree.model.presets import qwen36_27b_config  # noqa: E402
 
 
 def main():

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from ddtree.decoding import Decoder
-from ddtree.sampling import SamplingParams
-from ddtree.testing import build_random_pair, hf_reference, tiny_hybrid_config, build_random_target
-from ddtree.tree import build_tree
+from ddtree.decode.decoder import Decoder
+from ddtree.decode.sampling import SamplingParams
+from ddtree.model.synthetic import build_random_pair, hf_reference, tiny_hybrid_config, build_random_target
+from ddtree.ops.tree import build_tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -30,7 +30,7 @@ def test_graphed_auto_switching_equals_eager_host_loop(monkeypatch):
     """--budget auto under CUDA graphs (rounds ahead, the tree kernel, the prefix-copy graph) with the
     chooser forced to switch budget every round, against eager host-tree rounds with the same
     switches: the same tokens and records, greedy and sampled."""
-    from tests.helpers_model import force_budget_cycle
+    from helpers import force_budget_cycle
 
     cycle = force_budget_cycle(monkeypatch)
     dec, _ = build_random_pair("hybrid", seed=5, device="cuda")
@@ -106,7 +106,7 @@ def test_fla_prefill_matches_torch_path(monkeypatch):
     must be taken (its TF32 error is under half a bf16 ulp), and against the float32 run it is
     within 1.5x of the torch path's own bf16 error."""
     pytest.importorskip("fla")
-    from ddtree import gdn
+    from ddtree.ops import gdn
 
     monkeypatch.setitem(gdn._FLA, "ok", {})
     raw = tiny_hybrid_config()
@@ -134,7 +134,7 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
     """--devices cuda:0,cuda:1: layers split by weight bytes, eager rounds over compiled layers
     (activations cross with non-blocking copies) give the one-GPU graphed run's greedy tokens for
     ar, dflash and ddtree (fixed and auto budgets), in float32 on a random pair with the same weights."""
-    from ddtree.testing import build_random_on_devices, tiny_drafter_config
+    from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config
 
     raw_t = tiny_hybrid_config(layers=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3
                                + ("full_attention",))
@@ -155,7 +155,7 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
 def test_opt_in_tree_kernel_under_graphs_equals_torch_path(monkeypatch):
     """The tree-verify kernel (up to 128 nodes) on the GPU: compiled layers (the kernel runs between compiled pieces)
     inside CUDA graphs give the torch path's greedy tokens for dflash and ddtree."""
-    from ddtree import triton_gdn
+    from ddtree.ops import gdn_kernels as triton_gdn
 
     prompt = torch.randint(2, 97, (60,), generator=torch.Generator().manual_seed(0)).tolist()
     toks = {}

@@ -1,0 +1,693 @@
+"""Our compact target model: the Qwen3.5/3.6 Gated-DeltaNet hybrid text stack and dense Qwen3.
+
+Every forward processes T new tokens arranged as a tree over the committed prefix:
+  * prefill chunk / chain: path_mask lower-triangular, parents[n] = n - 1
+  * autoregressive step:   a tree of one node
+  * draft-tree verify:     the DDTree tree (node 0 = bonus token)
+Attention layers see the prefix plus the node's ancestors; GDN layers run the tree convolution
+and the tree-WY recurrence (ddtree.ops.gdn). `commit` then keeps one root-to-node path: K/V moved to
+contiguous slots, GDN conv and recurrent states set to the path's last node. Everything that
+depends on what was accepted stays on the device, so a round needs no host sync here.
+
+State lives in buffers allocated once (`allocate_state`), stacked per device so that a commit is
+a handful of kernels: K/V [attention layers, max_len, kv_heads, head_dim]; GDN conv states
+[GDN layers, width-1, conv_dim] and fp32 recurrent states [GDN layers, v_heads, dk, dv] (each
+layer holds views). Parameter names mirror the HF checkpoints (after the prefix) so loading is a
+rename.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddtree.ops import gdn
+from ddtree.ops import gdn_kernels as triton_gdn
+from ddtree.model.config import TargetConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, plus_one: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+        self.eps, self.plus_one = eps, plus_one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = (x.shape[-1],)
+        if self.plus_one:  # Qwen3.5: (x * (1 + w)) computed in fp32
+            w = self.__dict__.get("_w_eff")
+            if w is None:
+                w = 1.0 + self.weight.float()
+            return F.rms_norm(x.float(), d, w, self.eps).type_as(x)
+        return self.weight * F.rms_norm(x.float(), d, None, self.eps).to(x.dtype)  # Qwen3: cast, then scale
+
+    def prepare(self):
+        """Precompute (1 + w) in fp32 once (not a parameter: not saved, not loaded)."""
+        if self.plus_one:
+            self.__dict__["_w_eff"] = 1.0 + self.weight.detach().float()
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: w * norm(x) * silu(z), plain weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xn = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dt)
+        return (self.weight * xn * F.silu(z.float())).to(dt)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = F.linear(x, fused(self, "_wgu", self.gate_proj, self.up_proj)).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _identity(x):
+    return x
+
+
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One weight for several projections of the same input (one GEMM instead of several).
+
+    The linears' weights become views into the fused tensor, so state_dict and loading still
+    see the checkpoint's names and no memory is duplicated.
+    """
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    o = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(w[o : o + n], requires_grad=False)
+        o += n
+    return w
+
+
+def fused(module: nn.Module, name: str, *linears: nn.Linear):
+    """The fused weight `name` of `module`, built on first use (kept out of parameters)."""
+    w = module.__dict__.get(name)
+    if w is None or w.device != linears[0].weight.device:
+        w = module.__dict__[name] = fuse_linears(*linears)
+    return w
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos/sin: [T, rd] (NeoX halves) applied to the first rd dims."""
+    rd = cos.shape[-1]
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    xr, xp = x[..., :rd], x[..., rd:]
+    return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)
+
+
+@dataclass
+class Step:
+    """Per-forward inputs shared by all layers (one copy per device).
+
+    positions [T]; path_mask [T, T] bool; window [T, width] conv rows; attn_mask [T, kv_len] bool;
+    cos/sin [T, rd]; start: 0-dim long (committed length); kv_len: host int >= start + T.
+    """
+
+    positions: torch.Tensor
+    path_mask: torch.Tensor
+    window: torch.Tensor
+    attn_mask: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    start: torch.Tensor
+    kv_len: int
+    chain: bool = False  # a prefill chunk: GDN layers may use fla's chunk kernel
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.h, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.gated = cfg.attn_output_gate
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.hd * (2 if self.gated else 1), bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kvh * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kvh * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.norm_plus_one)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.norm_plus_one)
+        self.k_cache: torch.Tensor | None = None  # [max_len, kvh, hd], a view of the device's stack
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = F.linear(x, fused(self, "_wqkv", self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = qkv.split([self.q_proj.weight.shape[0], self.kvh * self.hd, self.kvh * self.hd], dim=-1)
+        if self.gated:  # per head: [query | gate]
+            q, gate = q.view(T, self.h, 2 * self.hd).chunk(2, dim=-1)
+            gate = gate.reshape(T, -1)
+        else:
+            q, gate = q.view(T, self.h, self.hd), None
+        q = apply_rope(self.q_norm(q), s.cos, s.sin)
+        k = apply_rope(self.k_norm(k.reshape(T, self.kvh, self.hd)), s.cos, s.sin)
+        v = v.reshape(T, self.kvh, self.hd)
+        slots = s.start + torch.arange(T, device=x.device)
+        self.k_cache.index_copy_(0, slots, k)
+        self.v_cache.index_copy_(0, slots, v)
+        S = s.attn_mask.shape[-1]  # = s.kv_len, read from a shape so that compiled code keeps it symbolic
+        kk = self.k_cache[:S].transpose(0, 1)[None]  # [1, kvh, S, hd]
+        vv = self.v_cache[:S].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kk, vv, attn_mask=s.attn_mask[None, None], enable_gqa=self.h != self.kvh
+        )  # [1, h, T, hd]
+        o = o[0].transpose(0, 1).reshape(T, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    def commit(self, path_nodes: torch.Tensor, start: torch.Tensor):
+        """Move the K/V of path_nodes [P] (tree indices) to slots start..start+P-1.
+
+        Per-layer reference twin of the stacked commit in TargetModel.commit."""
+        src = start + path_nodes
+        dst = start + torch.arange(path_nodes.shape[0], device=path_nodes.device)
+        self.k_cache.index_copy_(0, dst, self.k_cache.index_select(0, src))
+        self.v_cache.index_copy_(0, dst, self.v_cache.index_select(0, src))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.hk, self.hv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads
+        self.dk, self.dv = cfg.gdn_k_dim, cfg.gdn_v_dim
+        self.width = cfg.conv_kernel
+        self.conv_dim = cfg.gdn_conv_dim
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.hv * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.width, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_eps)
+        self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
+        self.conv_state: torch.Tensor | None = None  # [width-1, conv_dim], oldest first (view of group.conv)
+        self.rec_state: torch.Tensor | None = None  # [hv, dk, dv] fp32 (view of group.state)
+        self.group: GDNGroup | None = None  # stacked state + commit scratch of this device's GDN layers
+        self.wy_bufs = self.ext_buf = self.final_buf = None  # this layer's views of the group's scratch
+
+    def _consts(self):
+        """Per-layer constants computed once: conv weight as fp32 [width, C], -exp(A_log) fp32."""
+        c = self.__dict__.get("_c")
+        if c is None or c[0].device != self.A_log.device:
+            c = self.__dict__["_c"] = (self.conv1d.weight[:, 0, :].t().float().contiguous(),
+                                       -self.A_log.float().exp())
+        return c
+
+    def in_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused input projection: [T, hidden] -> [T, C + hv*dv + 2 hv] (qkv | z | b | a)."""
+        return F.linear(x, fused(self, "_win", self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+
+    def project(self, x: torch.Tensor):
+        """-> (the input projection [T, N], ext [width-1+T, C]: the conv state rows, then the new qkv
+        rows, in the layer's scratch, where the convolution and the commit read them)."""
+        proj = self.in_proj(x)
+        ext = torch.cat([self.conv_state, proj[:, : self.conv_dim]], out=self.ext_buf[: self.width - 1 + x.shape[0]])
+        return proj, ext
+
+    def qkvgb(self, x: torch.Tensor, s: Step):
+        """Projections + tree convolution -> q, k (normalised, per value head), v, g, beta, z, ext."""
+        T = x.shape[0]
+        proj, ext = self.project(x)
+        _, z, b, a = proj.split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
+        mixed = gdn.tree_conv(ext, s.window, self._consts()[0])  # [T, C]
+        kd = self.hk * self.dk
+        qk, v = mixed.split([2 * kd, self.hv * self.dv], dim=-1)  # q and k are adjacent channels
+        qk = gdn.l2norm_qk(qk.view(T, 2, self.hk, self.dk), self.dk)  # [T, 2, hk, dk] fp32
+        qk = qk.repeat_interleave(self.hv // self.hk, dim=2)  # k head j serves v heads j*rep..
+        q, k = qk[:, 0], qk[:, 1]  # [T, hv, dk]
+        v = v.view(T, self.hv, self.dv)
+        g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias, neg_A=self._consts()[1])
+        z = z.reshape(T, self.hv, self.dv)
+        return q, k, v, g, beta, z, ext
+
+    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        # No Python side effects and no per-layer ints here: the same compiled code serves every
+        # GDN layer (ddtree.model.target.compiled_layer). What a commit needs is in the group's scratch.
+        T = x.shape[0]
+        if T == 1 and not s.chain and triton_gdn.available(x):  # decode step: one fused kernel
+            return self.out_proj(triton_gdn.gdn_step(self, self.in_proj(x).view(-1)).view(1, -1))
+        if not s.chain and triton_gdn.TREE_PROLOGUE and triton_gdn.tree_available(x, T, self.dk):
+            return self._tree_fused(x, s)  # the whole mixer between the projections in one kernel + the norm
+        q, k, v, g, beta, z, ext = self.qkvgb(x, s)
+        if s.chain:  # prefill chunk (fla's kernel on GPU when usable): the commit takes the final state
+            o, final = gdn.chain_final(q, k, v, g, beta, self.rec_state, s.path_mask)
+            self.final_buf.copy_(final)
+        else:
+            kb, ub, cb = self.wy_bufs
+            scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
+            if triton_gdn.tree_available(x, T, self.dk):  # one kernel per layer (small trees; see triton_gdn)
+                o = triton_gdn.gdn_tree(q, k, v, g, beta, self.rec_state, s.path_mask, scratch)
+            else:
+                o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=scratch)
+        o = self.norm(o.to(x.dtype), z)  # [T, hv, dv]
+        return self.out_proj(o.reshape(T, -1))
+
+    def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        """A small tree's verify with the prologue inside the tree kernel (triton_gdn.gdn_tree_prologue;
+        twin: the qkvgb + gdn_tree path of forward)."""
+        T = x.shape[0]
+        proj, ext = self.project(x)
+        z = proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
+        kb, ub, cb = self.wy_bufs
+        o = triton_gdn.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask,
+                                         (kb[:, :T], ub[:, :T], cb[:, :T]))
+        o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
+        return self.out_proj(o.reshape(T, -1))
+
+    def commit(self, last: torch.Tensor):
+        """Set conv and recurrent state to those after tree node `last` (0-dim device tensor).
+
+        Per-layer reference twin of GDNGroup.commit (which does all layers of a device at once)."""
+        T, window, path_mask, chain = self.group.step
+        ext = self.ext_buf[: self.width - 1 + T]
+        rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
+        self.conv_state.copy_(ext.index_select(0, rows))
+        if chain:  # a prefill chunk is committed whole: its final state is the state
+            self.rec_state.copy_(self.final_buf)
+        else:
+            kb, ub, cb = (b[:, :T] for b in self.wy_bufs)
+            self.rec_state.copy_(gdn.commit_state(self.rec_state, kb, ub, cb, last, path_mask))
+
+
+class GDNGroup:
+    """The GDN layers of one device: their states stacked, so a commit is one set of kernels
+    for all of them (not ~a dozen per layer), and the scratch the tree recurrence writes for it.
+
+    state [L, hv, dk, dv] fp32; conv [L, width-1, C]; scratch for up to `cap` tree nodes: k, U, c
+    (fp32) [L, hv, cap, *] and the conv inputs ext [L, width-1+cap, C]. Each layer holds views of
+    its rows (so its forward needs no layer index); a forward of T nodes uses [..., :T, ...].
+    """
+
+    def __init__(self, layers: list, device, dtype, cap: int):
+        m = layers[0]
+        L = self.L = len(layers)
+        self.h, self.dk, self.dv, self.hist, self.C = m.hv, m.dk, m.dv, m.width - 1, m.conv_dim
+        f32 = dict(device=device, dtype=torch.float32)
+        self.state = torch.zeros(L, m.hv, m.dk, m.dv, **f32)
+        self.conv = torch.zeros(L, self.hist, self.C, device=device, dtype=dtype)
+        self.kbuf = torch.zeros(L, m.hv, cap, m.dk, **f32)
+        self.ubuf = torch.zeros(L, m.hv, cap, m.dv, **f32)
+        self.cbuf = torch.zeros(L, m.hv, cap, **f32)
+        self.ebuf = torch.zeros(L, self.hist + cap, self.C, device=device, dtype=dtype)
+        self.final_states = torch.zeros_like(self.state)  # final states of a prefill chunk
+        # (T, window, path_mask, chain) of the last forward: set by TargetModel.forward
+        self.step = None
+        for j, layer in enumerate(layers):
+            layer.group = self
+            layer.rec_state, layer.conv_state = self.state[j], self.conv[j]
+            layer.wy_bufs = (self.kbuf[j], self.ubuf[j], self.cbuf[j])
+            layer.ext_buf, layer.final_buf = self.ebuf[j], self.final_states[j]
+
+    def wy(self, T: int):
+        return self.kbuf[:, :, :T], self.ubuf[:, :, :T], self.cbuf[:, :, :T]
+
+    def ext(self, T: int):
+        return self.ebuf[:, : self.hist + T]
+
+    def commit(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor):
+        """State after tree node last = path_nodes[n_nodes - 1] ([P] / 0-dim, on the device)."""
+        T, window, path_mask, chain = self.step
+        if triton_gdn.available(self.state) and not chain:  # two kernels: the state pass (path rows only), the conv rows
+            triton_gdn.gdn_commit_(self.state, *self.wy(T), path_nodes, n_nodes)
+            triton_gdn.conv_commit_(self.conv, self.ext(T), window, path_nodes, n_nodes)
+            return
+        last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
+        if chain:  # a prefill chunk is committed whole: its final state is the state
+            self.state.copy_(self.final_states)
+        else:
+            K, U, C = self.wy(T)
+            gdn.commit_states_(self.state, K, U, C, last, path_mask)
+        rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
+        self.conv.copy_(self.ext(T).index_select(1, rows))
+
+    def reset(self):
+        self.state.zero_()
+        self.conv.zero_()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
+        self.reduce = _identity  # ddtree.parallel.tp installs an all-reduce here
+
+    @property
+    def mixer(self):
+        return self.linear_attn if self.kind == "linear_attention" else self.self_attn
+
+    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        # `reduce` sums the partial outputs of row-parallel projections under tensor parallelism.
+        x = residual(x, self.reduce(self.mixer(self.input_layernorm(x), s)))
+        return residual(x, self.reduce(self.mlp(self.post_attention_layernorm(x))))
+
+
+def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y, written so that inductor does not fold the add into y's GEMM (a cuBLAS addmm with
+    beta = 1): that needs a copy of x into the output first, one more kernel per residual than
+    the add fused into the next norm, and it rounds once where the eager model rounds twice. The
+    unsqueezes keep the add from matching inductor's mm + add pattern; eager, they are free views."""
+    return (x[None] + y[None])[0]
+
+
+def _mark_dynamic(s: Step) -> None:
+    """Compile once for every context length, and once for every tree size T > 1 (T = 1, the
+    decode step, keeps its own specialised code): without the marks dynamo first compiles static
+    shapes and recompiles on the second value, mid-generation."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    mark(s.attn_mask, 1)
+    if s.positions.shape[0] > 1:
+        for t in (s.positions, s.window, s.attn_mask, s.cos, s.sin):
+            mark(t, 0)
+        mark(s.path_mask, 0)
+        mark(s.path_mask, 1)
+
+
+def _call_layer(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
+    return layer(x, s)
+
+
+_COMPILED: dict = {}
+
+
+def compiled(fn):
+    """`fn` through torch.compile (inductor), made once per function.
+
+    Why: a decode step is otherwise bound by kernel launches (~5000 small kernels per token);
+    inductor fuses the elementwise chains (norms, gates, conv, rope, the T = 1 recurrence) into a
+    few Triton kernels. For `_call_layer` one compiled function serves all layers: layers hold
+    their buffers as tensors (no per-layer ints) and forward has no Python side effects, so
+    dynamo's guards only tell the layer kinds and T = 1 from T > 1 apart (T > 1 and the context
+    length are marked dynamic up front: `_mark_dynamic`). The eager functions are the reference
+    twins (tests/test_compile.py, tests/test_gpu.py)."""
+    c = _COMPILED.get(fn)
+    if c is None:
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 64)  # headroom: other models in the process, drafter kv_len
+        c = _COMPILED[fn] = torch.compile(fn, dynamic=None)
+    return c
+
+
+def _mixer_half(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
+    return layer.mixer(layer.input_layernorm(x), s)
+
+
+def _mlp_half(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    return layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _call_layer_split(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
+    """Under tensor parallelism: the two halves compiled, the all-reduces between them eager
+    (collectives stay out of the compiled graphs; the CUDA graph captures them all the same)."""
+    x = x + layer.reduce(compiled(_mixer_half)(layer, x, s))
+    return x + layer.reduce(compiled(_mlp_half)(layer, x))
+
+
+def compiled_layer(layer: DecoderLayer):
+    return compiled(_call_layer) if layer.reduce is _identity else _call_layer_split
+
+
+def rope_tables(cfg: TargetConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    rd = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
+    freqs = torch.arange(max_len, dtype=torch.float32, device=device)[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, rd]
+    return emb.cos(), emb.sin()
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, t) for t in cfg.layer_types])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tap_layers: list[int] = []  # residual stream after these layers is returned (drafter context)
+        self.layer_devices: list[torch.device] = []
+        self.max_len = 0
+        self._rope: dict = {}
+        self.gather_logits = _identity  # ddtree.parallel.tp installs a vocab all-gather here (vocab-parallel lm_head)
+        self.compile_layers = False  # run decoder layers through torch.compile (see compiled_layer)
+
+    # ------------------------------------------------------------------ placement and state
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def out_device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def allocate_state(self, max_len: int, tree_capacity: int = 256):
+        """Allocate every state buffer once, on each layer's device.
+
+        Per device: attention K/V stacked [L_attn, max_len, kvh, hd]; a GDNGroup for the GDN
+        layers. tree_capacity bounds the nodes of one forward (tree size or prefill chunk).
+        """
+        self.max_len, self.tree_capacity = max_len, tree_capacity
+        self.layer_devices = [layer.input_layernorm.weight.device for layer in self.layers]
+        self.gdn_groups, self.kv_stacks = {}, {}
+        for dev in dict.fromkeys(self.layer_devices):
+            on = [layer for layer, d in zip(self.layers, self.layer_devices) if d == dev]
+            gdns = [layer.linear_attn for layer in on if layer.kind == "linear_attention"]
+            attns = [layer.self_attn for layer in on if layer.kind == "full_attention"]
+            if gdns:
+                self.gdn_groups[dev] = GDNGroup(gdns, dev, self.dtype, tree_capacity)
+            if attns:
+                a0 = attns[0]
+                kc = torch.zeros(len(attns), max_len, a0.kvh, a0.hd, device=dev, dtype=self.dtype)
+                vc = torch.zeros_like(kc)
+                for j, att in enumerate(attns):
+                    att.k_cache, att.v_cache = kc[j], vc[j]
+                self.kv_stacks[dev] = (kc, vc)
+        self._rope = {d: rope_tables(self.cfg, max_len, d) for d in set(self.layer_devices)}
+        self.prepare()
+
+    def prepare(self):
+        """Inference-time constants derived from the weights: fused projection weights (views,
+        so they follow in-place edits), (1 + w) norm weights, GDN conv weight / -exp(A_log)
+        (copies: call prepare() again after editing those weights in place)."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.prepare()
+            elif isinstance(m, MLP):
+                fused(m, "_wgu", m.gate_proj, m.up_proj)
+            elif isinstance(m, Attention):
+                fused(m, "_wqkv", m.q_proj, m.k_proj, m.v_proj)
+            elif isinstance(m, GatedDeltaNet):
+                fused(m, "_win", m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
+                m.__dict__.pop("_c", None)
+                m._consts()
+
+    def reset(self):
+        for group in self.gdn_groups.values():
+            group.reset()
+
+    # ------------------------------------------------------------------ forward
+    def make_step(self, positions, path_mask, parents, start, kv_len: int, device) -> Step:
+        T = positions.shape[0]
+        key = torch.arange(kv_len, device=device)
+        local = key[None, :] - start  # [1, kv_len] index inside the tree
+        in_tree = (local >= 0) & (local < T)
+        tree_vis = path_mask.gather(1, local.clamp(0, T - 1).expand(T, -1)) & in_tree
+        attn_mask = (key[None, :] < start) | tree_vis  # [T, kv_len]
+        cos, sin = self._rope[device]
+        return Step(
+            positions=positions,
+            path_mask=path_mask,
+            window=gdn.conv_window_index(parents, self.cfg.conv_kernel),
+            attn_mask=attn_mask,
+            cos=cos[positions].to(self.dtype),  # cast once here, not in every layer
+            sin=sin[positions].to(self.dtype),
+            start=start,
+            kv_len=kv_len,
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        path_mask: torch.Tensor,
+        parents: torch.Tensor,
+        start: torch.Tensor,
+        kv_len: int,
+        logit_rows: torch.Tensor | None = None,
+        want_taps: bool = True,
+        chain: bool = False,
+    ):
+        """tokens/positions/parents [T] long, path_mask [T, T] bool, start 0-dim long: all on self.device.
+
+        Returns logits [R, vocab] (R = T, or len(logit_rows)) and the tap hidden states
+        [T, len(tap_layers) * hidden] on out_device (None if not wanted).
+        """
+        steps: dict = {}
+
+        def step_on(dev):
+            if dev not in steps:
+                args = [t.to(dev, non_blocking=True) for t in (positions, path_mask, parents, start)]
+                st = steps[dev] = self.make_step(*args, kv_len, dev)
+                st.chain = chain
+                if fast:
+                    _mark_dynamic(st)
+                if dev in self.gdn_groups:  # what the commit will need
+                    self.gdn_groups[dev].step = (positions.shape[0], st.window, st.path_mask, chain)
+            return steps[dev]
+
+        # Tree and decode forwards go through the compiled layer when enabled (fewer, fused kernels);
+        # prefill chunks stay eager (they may use fla's kernels, and their shapes vary).
+        fast = self.compile_layers and not chain
+        x = self.embed_tokens(tokens)
+        if fast and x.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+        taps = []
+        for i, (layer, dev) in enumerate(zip(self.layers, self.layer_devices)):
+            if x.device != dev:
+                x = x.to(dev, non_blocking=True)
+            x = (compiled_layer(layer) if fast else _call_layer)(layer, x, step_on(dev))
+            if want_taps and i in self.tap_layers:
+                taps.append(x)
+        x = x.to(self.out_device, non_blocking=True)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows.to(x.device))
+        logits = self.gather_logits(self.lm_head(self.norm(x)))
+        tap = torch.cat([t.to(self.out_device, non_blocking=True) for t in taps], -1) if taps else None
+        return logits, tap
+
+    @torch.no_grad()
+    def commit(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor, start: torch.Tensor):
+        """Keep the path path_nodes[:n_nodes] of the last forward (root first; padding repeats the last).
+
+        path_nodes [P] long and n_nodes, start 0-dim long, on self.device; no host sync. A few
+        kernels per device: stacked K/V moves and one batched GDN state update.
+        """
+        for dev in dict.fromkeys(self.layer_devices):
+            p, s0, n_ = (t.to(dev, non_blocking=True) for t in (path_nodes, start, n_nodes))
+            if dev in self.gdn_groups:
+                self.gdn_groups[dev].commit(p, n_)
+            if dev in self.kv_stacks and triton_gdn.available(p):
+                triton_gdn.kv_commit_(*self.kv_stacks[dev], p, s0)  # one kernel for all layers' K and V
+            elif dev in self.kv_stacks:
+                src = s0 + p
+                dst = s0 + torch.arange(p.shape[0], device=dev)
+                for cache in self.kv_stacks[dev]:
+                    cache.index_copy_(1, dst, cache.index_select(1, src))
+
+    @torch.no_grad()
+    def commit_reference(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor, start: torch.Tensor):
+        """Layer-by-layer twin of `commit` (tests compare them)."""
+        last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
+        for layer, dev in zip(self.layers, self.layer_devices):
+            p, l_, s0 = (t.to(dev) for t in (path_nodes, last, start))
+            if layer.kind == "linear_attention":
+                layer.linear_attn.commit(l_)
+            else:
+                layer.self_attn.commit(p, s0)
+
+    # ------------------------------------------------------------------ convenience (host-driven)
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, start: int = 0, chunk: int = 64, want_taps: bool = True):
+        """Run `tokens` [T] as a chain from committed length `start`; commit all of them.
+
+        Returns the last row's logits [vocab] and taps [T, taps*hidden] (or None).
+        """
+        dev = self.device
+        taps, logits = [], None
+        tril = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()
+        chunk = min(chunk, self.tree_capacity)
+        tril = tril[:chunk, :chunk]
+        for s0 in range(0, tokens.shape[0], chunk):
+            t = tokens[s0 : s0 + chunk].to(dev)
+            T = t.shape[0]
+            pos = start + s0 + torch.arange(T, device=dev)
+            parents = torch.arange(T, device=dev) - 1
+            st = torch.tensor(start + s0, device=dev)
+            logits, tap = self.forward(
+                t, pos, tril[:T, :T], parents, st, start + s0 + T,
+                logit_rows=torch.tensor([T - 1], device=dev), want_taps=want_taps and bool(self.tap_layers),
+                chain=True,
+            )
+            self.commit(torch.arange(T, device=dev), torch.tensor(T, device=dev), st)
+            if tap is not None:
+                taps.append(tap)
+        return logits[0], (torch.cat(taps) if taps else None)
+
+    @torch.no_grad()
+    def forward_chain(self, tokens: torch.Tensor, start: int):
+        """Logits for every position of a chain (no commit). For tests and transformers parity.
+
+        It continues from the current state: call reset() first for an empty prefix."""
+        dev = self.device
+        T = tokens.shape[0]
+        tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        return self.forward(
+            tokens.to(dev), start + torch.arange(T, device=dev), tril, torch.arange(T, device=dev) - 1,
+            torch.tensor(start, device=dev), start + T,
+        )
+
+
+def layer_bytes(cfg: TargetConfig, dtype_bytes: int = 2) -> list[int]:
+    """Weight bytes of every decoder layer (placement and roofline accounting)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    mlp = 3 * h * inter
+    attn = h * cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1) + 2 * h * cfg.num_kv_heads * cfg.head_dim
+    attn += cfg.num_heads * cfg.head_dim * h
+    vdim = cfg.gdn_num_v_heads * cfg.gdn_v_dim
+    lin = h * cfg.gdn_conv_dim + h * vdim + 2 * h * cfg.gdn_num_v_heads + vdim * h + cfg.gdn_conv_dim * cfg.conv_kernel
+    return [dtype_bytes * (mlp + (lin if t == "linear_attention" else attn)) for t in cfg.layer_types]
+
+
+def weight_bytes_per_token(cfg: TargetConfig, dtype_bytes: int = 2) -> int:
+    """Bytes a decode step must read: all layers + lm_head (the embedding row is negligible)."""
+    return sum(layer_bytes(cfg, dtype_bytes)) + dtype_bytes * cfg.vocab_size * cfg.hidden_size
+
+
+def split_layers(cfg: TargetConfig, devices: list[torch.device]) -> list[torch.device]:
+    """Contiguous layer split with about equal weight bytes per device (embedding on the first,
+    lm_head on the last device count towards their shares)."""
+    if len(devices) == 1:
+        return [devices[0]] * cfg.num_layers
+    lb = layer_bytes(cfg)
+    head = 2 * cfg.vocab_size * cfg.hidden_size
+    total = sum(lb) + head  # the embedding is read one row a token: it does not count
+    share = total / len(devices)
+    out, acc, d = [], 0.0, 0
+    for b in lb:
+        if acc + b / 2 > share * (d + 1) and d < len(devices) - 1:
+            d += 1
+        out.append(devices[d])
+        acc += b
+    return out

@@ -1,0 +1,244 @@
+"""`ddtree bench` and `ddtree plot` on the codepair fixture: the JSON validates, its counters agree
+with the per-prompt rounds and with the decoders themselves, greedy outputs match ar, plots are PNGs."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import FIXTURE_DIR, have_fixture, FIXTURE_REASON
+from ddtree.app.bench import format_table, parse_budgets, parse_methods
+from ddtree.app.cli import app
+from ddtree.errors import DDTreeError
+from ddtree.stats import aggregate, generation_from_dict, read_json, validate_document
+
+N_NEW = 24
+BUDGETS = (4, 8)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One bench run (2 prompts; ar, dflash, ddtree 4 and 8; 24 new tokens) shared by the tests."""
+    if not have_fixture():
+        pytest.skip(FIXTURE_REASON)
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("bench") / "results.json"
+    try:
+        r = CliRunner().invoke(app, [
+            "bench", "--target", str(FIXTURE_DIR / "target"), "--drafter", str(FIXTURE_DIR / "drafter"),
+            "--prompts", str(FIXTURE_DIR / "prompts.jsonl"), "--limit", "2", "--methods", "dflash,ddtree",
+            "--budgets", ",".join(map(str, BUDGETS)), "--max-new-tokens", str(N_NEW), "--warmup", "1",
+            "--devices", "cpu", "--dtype", "float32", "--raw", "--out", str(out),
+        ])
+    finally:
+        torch.set_num_threads(n)
+    assert r.exit_code == 0, (r.stdout, r.stderr, r.exception)
+    return r, out
+
+
+def test_bench_document_validates(bench_run):
+    r, out = bench_run
+    doc = read_json(out)
+    validate_document(doc)
+    labels = [(run["method"], run["budget"]) for run in doc["runs"]]
+    assert labels == [("ar", None), ("dflash", None)] + [("ddtree", b) for b in BUDGETS]  # ar added, first
+    assert doc["runs"][0]["speedup_vs_ar"] == pytest.approx(1.0)
+    meta = doc["metadata"]
+    assert meta["dtype"] == "float32" and meta["devices"] == ["cpu"] and meta["max_new_tokens"] == N_NEW
+    assert meta["target_config_sha256"] and meta["drafter_config_sha256"]
+    for run in doc["runs"]:
+        a = run["aggregate"]
+        assert a["num_prompts"] == 2
+        assert run["speedup_vs_ar"] == pytest.approx(a["decode_tok_s"] / doc["runs"][0]["aggregate"]["decode_tok_s"])
+        assert a["block_size"] == (None if run["method"] == "ar" else 16)
+        assert [p["prompt_id"] for p in run["prompts"]] == ["dev-000", "dev-001"]
+    # the table: one row per run, after the header
+    for label in ("ar", "dflash", "ddtree  4", "ddtree  8", "speedup", "accept len", "TTFT ms"):
+        assert label in r.stdout
+    assert "tok/s" in r.stderr  # progress bars on stderr
+
+
+def test_bench_counters_agree_with_rounds(bench_run):
+    _, out = bench_run
+    doc = read_json(out)
+    for run in doc["runs"]:
+        a = run["aggregate"]
+        rounds = [p["rounds"] for p in run["prompts"]]
+        drafts = sum(1 for rd in rounds for s in rd["tree_size"] if s > 0)
+        accepted = sum(x for rd in rounds for x, s in zip(rd["accepted"], rd["tree_size"]) if s > 0)
+        assert a["num_drafts"] == drafts
+        assert a["num_accepted_tokens"] == accepted
+        assert a["num_draft_tokens"] == sum(sum(rd["tree_size"]) for rd in rounds)
+        assert a["rounds"] == sum(len(rd["tree_size"]) for rd in rounds)
+        if drafts:
+            assert a["mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+        for p in run["prompts"]:
+            assert p["num_accepted_tokens"] == sum(p["rounds"]["accepted"])
+            assert sum(p["rounds"]["committed"]) + 1 == p["new_tokens"] == len(p["token_ids"])
+        # the document's aggregate is the aggregate of its own records
+        recs = [generation_from_dict(p) for p in run["prompts"]]
+        again = aggregate(recs, block_size=a["block_size"])
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+                  "acceptance_length_histogram", "accepted_rank_histogram", "new_tokens", "rounds"):
+            assert again[k] == a[k], k
+        if run["method"] == "ar":
+            assert a["num_drafts"] == 0 and a["mean_acceptance_length"] == 1.0
+        else:
+            assert all(s > 0 for rd in rounds for s in rd["tree_size"])
+        if run["method"] == "ddtree":
+            assert max(s for rd in rounds for s in rd["tree_size"]) <= run["budget"]
+
+
+def test_bench_greedy_matches_ar(bench_run):
+    _, out = bench_run
+    doc = read_json(out)
+    ar = {p["prompt_id"]: p["token_ids"] for p in doc["runs"][0]["prompts"]}
+    for run in doc["runs"][1:]:
+        assert run["exact_match_vs_ar"] is True, run["mismatched_prompts"]
+        for p in run["prompts"]:
+            assert p["token_ids"] == ar[p["prompt_id"]]
+            assert p["exact_match_vs_ar"] is True
+
+
+def test_bench_counters_agree_with_decoder(bench_run, one_thread):
+    """The decoder run directly on prompt dev-001 (ddtree, budget 8) gives the rounds the JSON holds."""
+    import torch
+
+    from ddtree.app.bench import encode_prompt, inspect_models, load_models
+    from ddtree.app.prompts import load_prompts
+
+    _, out = bench_run
+    doc = read_json(out)
+    run = next(r for r in doc["runs"] if r["method"] == "ddtree" and r["budget"] == 8)
+    want = run["prompts"][1]
+    spec = inspect_models(str(FIXTURE_DIR / "target"), str(FIXTURE_DIR / "drafter"), "cpu", "float32", True)
+    prompt = load_prompts(str(FIXTURE_DIR / "prompts.jsonl"), 2)[1]
+    ids = encode_prompt(spec, prompt, raw=True, thinking=True)
+    assert len(ids) == want["prompt_tokens"]
+    dec = load_models(spec, doc["metadata"]["max_length"], True).decoder
+    rec = dec.generate(ids, method="ddtree", budget=8, max_new_tokens=N_NEW, stop_ids=spec.stop_ids, seed=0)
+    assert rec.token_ids == want["token_ids"]
+    assert [r.accepted for r in rec.rounds] == want["rounds"]["accepted"]
+    assert [r.tree_size for r in rec.rounds] == want["rounds"]["tree_size"]
+    assert [r.accepted_ranks for r in rec.rounds] == want["rounds"]["accepted_ranks"]
+    assert torch.get_num_threads() == 1
+
+
+def test_plot_writes_pngs(bench_run, tmp_path):
+    _, out = bench_run
+    r = CliRunner().invoke(app, ["plot", str(out), "--out", str(tmp_path / "plots")])
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    paths = [line for line in r.stdout.splitlines() if line.strip()]
+    assert len(paths) == 3
+    for p in paths:
+        data = open(p, "rb").read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_rejects_non_document(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"schema": "something/else"}')
+    r = CliRunner().invoke(app, ["plot", str(bad)])
+    assert r.exit_code == 2
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------ units
+
+
+def test_parse_methods_puts_ar_first():
+    assert parse_methods("ddtree,dflash") == ["ar", "ddtree", "dflash"]
+    assert parse_methods("dflash, ar ,dflash") == ["ar", "dflash"]
+    assert parse_methods(["ar"]) == ["ar"]
+    with pytest.raises(DDTreeError, match="unknown method"):
+        parse_methods("ar,eagle")
+    with pytest.raises(DDTreeError):
+        parse_methods(" , ")
+
+
+def test_parse_budgets():
+    assert parse_budgets("8,16, 32") == [8, 16, 32]
+    assert parse_budgets(64) == [64]
+    assert parse_budgets([4, "auto"]) == [4, "auto"]
+    for bad in ("0", "x", "8,-1", ""):
+        with pytest.raises(DDTreeError):
+            parse_budgets(bad)
+
+
+def test_format_table_shapes():
+    doc = {"runs": [
+        {"method": "ar", "budget": None, "speedup_vs_ar": 1.0, "exact_match_vs_ar": None,
+         "aggregate": {"decode_tok_s": 10.0, "e2e_tok_s": 9.0, "mean_ttft_s": 0.01, "mean_acceptance_length": 1.0}},
+        {"method": "ddtree", "budget": 32, "speedup_vs_ar": 2.5, "exact_match_vs_ar": False,
+         "aggregate": {"decode_tok_s": 25.0, "e2e_tok_s": 20.0, "mean_ttft_s": 0.02, "mean_acceptance_length": 3.1}},
+    ]}
+    lines = format_table(doc).splitlines()
+    assert len(lines) == 4
+    assert "2.50x" in lines[3] and "NO" in lines[3] and "3.10" in lines[3]
+    # --budget auto: a line saying which budgets it chose, and how often
+    doc["runs"].append({"method": "ddtree", "budget": None, "budget_setting": "auto", "speedup_vs_ar": 2.0,
+                        "exact_match_vs_ar": True,
+                        "aggregate": {"decode_tok_s": 20.0, "e2e_tok_s": 18.0, "mean_ttft_s": 0.02,
+                                      "mean_acceptance_length": 3.0, "tree_size": {"histogram": {"32": 3, "15": 1}}}})
+    lines = format_table(doc).splitlines()
+    assert len(lines) == 6 and lines[4].startswith("ddtree  auto")
+    assert lines[5] == "ddtree auto chose 15 (25%), 32 (75%)"
+
+
+def test_divergence_reports_first_difference_and_logit_gap(one_thread):
+    """The bench's near-tie diagnosis: first differing index, and logit(ar's token) - logit(other)
+    after the common prefix, which for ar's own greedy choice is >= 0."""
+    import torch
+
+    from ddtree.app.bench import divergence
+    from ddtree.model.synthetic import build_random_pair
+
+    dec, _ = build_random_pair("hybrid", 3)
+    prompt = [5, 9, 11, 40, 2]
+    ar = dec.generate(prompt, "ar", max_new_tokens=12).token_ids
+    other = ar[:7] + [(ar[7] + 1) % 97] + ar[8:]
+    d = divergence(dec, prompt, ar, other)
+    assert (d["index"], d["ar_token"], d["other_token"]) == (7, ar[7], other[7])
+    dec.target.reset()
+    logits, _ = dec.target.prefill(torch.tensor(prompt + ar[:7]), want_taps=False)
+    assert d["logit_gap"] == pytest.approx(float(logits[ar[7]] - logits[other[7]]), abs=1e-6)
+    assert d["logit_gap"] >= 0 and 0 < d["logit_ulp"] < 1e-5  # fp32: eps * 2^floor(log2 |logit|)
+    assert divergence(dec, prompt, ar, ar[:5])["logit_gap"] is None  # a shorter output: no logit question
+
+
+def test_warmup_prefills_every_prompt_length_for_every_method(monkeypatch, tmp_path, one_thread):
+    """Before any timed prompt, each method has prefilled every distinct prompt length once, so no
+    first-call cost of a prefill shape lands in a timed prompt of whichever method runs first (on the
+    H200 the first method's TTFT showed ~150 ms outliers on half the prompts until this warm-up)."""
+    if not have_fixture():
+        pytest.skip(FIXTURE_REASON)
+    import json
+
+    from ddtree.decode import decoder as decoding
+    from ddtree.app.bench import run_bench
+
+    src = [json.loads(line) for line in (FIXTURE_DIR / "prompts.jsonl").read_text().splitlines()[:3]]
+    prompts = tmp_path / "prompts.jsonl"  # three lengths (the fixture's prompts are all 160 tokens)
+    prompts.write_text("".join(json.dumps({"id": p["id"], "prompt": p["prompt"][: 40 * (i + 1)]}) + "\n"
+                               for i, p in enumerate(src)))
+    calls = []  # (method, prompt length, max_new_tokens), in order
+    real = decoding.Decoder.generate
+
+    def spy(self, ids, *a, **k):
+        calls.append((k["method"], len(ids), k["max_new_tokens"]))
+        return real(self, ids, *a, **k)
+
+    monkeypatch.setattr(decoding.Decoder, "generate", spy)
+    n_new = 3
+    run_bench(FIXTURE_DIR / "target", FIXTURE_DIR / "drafter", str(prompts), methods="ar,dflash",
+              max_new_tokens=n_new, devices="cpu", dtype="float32", raw=True, warmup=1, out=None,
+              progress=False, print_table=False)
+    lengths = {L for _, L, _ in calls}
+    assert len(lengths) == 3
+    timed, warm = calls[-6:], calls[:-6]  # timed: 2 methods x 3 prompts, in prompt order
+    assert [m for m, _, _ in timed] == ["ar"] * 3 + ["dflash"] * 3 and all(n == n_new for *_, n in timed)
+    for m in ("ar", "dflash"):
+        assert {L for mm, L, n in warm if mm == m and n == 1} == lengths

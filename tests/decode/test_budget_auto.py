@@ -1,0 +1,145 @@
+"""--budget auto: the chooser's rule, and exactness of decoding with it."""
+
+import math
+
+import pytest
+import torch
+
+from ddtree.decode.decoder import AUTO_BUDGETS, BudgetChooser
+from ddtree.model.synthetic import build_random_pair
+
+
+def _scores(probs):
+    """Best-first path log-probabilities for per-node acceptance probabilities (root first)."""
+    return [0.0] + [math.log(p) for p in probs]
+
+
+def test_flat_cost_picks_the_largest_tree():
+    ch = BudgetChooser({b: 10.0 for b in AUTO_BUDGETS})
+    b, pred = ch.pick(_scores([0.5] * 128))
+    assert b == max(AUTO_BUDGETS) and math.isclose(pred, 0.5 * max(AUTO_BUDGETS))
+
+
+def test_steep_cost_picks_a_small_tree():
+    # verify cost grows fast; nodes past the first few are nearly worthless
+    ch = BudgetChooser({b: 10.0 + 2.0 * b for b in AUTO_BUDGETS})
+    b, _ = ch.pick(_scores([0.9, 0.8, 0.7, 0.6] + [1e-4] * 60))
+    assert b == 4
+
+
+def test_acceptance_ratio_and_fixed_cost_are_learnt():
+    ch = BudgetChooser({4: 10.0, 64: 14.0})
+    scores = _scores([0.6] * 4 + [0.3] * 60)  # E_q(4) = 2.4, E_q(64) = 20.4
+    assert ch.pick(scores)[0] == 64  # trusting the drafter, the big tree pays
+    for _ in range(30):  # but the target accepts nothing the drafter proposes
+        ch.update(64, 20.4, 0, wall_ms=20.0)
+    assert ch.acc / ch.pred < 0.01
+    assert abs(ch.fixed_ms - 6.0) < 1e-6
+    assert ch.pick(scores)[0] == 4  # then the cheaper verify wins
+
+
+def test_auto_budget_decoding_is_exact():
+    for kind in ("hybrid", "dense"):
+        dec, _ = build_random_pair(kind, seed=7)
+        prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+        ar = dec.generate(prompt, "ar", max_new_tokens=30)
+        auto = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=30)
+        assert auto.token_ids == ar.token_ids
+        assert all(r.tree_size in (0,) + AUTO_BUDGETS for r in auto.rounds)  # 0: a plain step
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_auto_rounds_ahead_equal_host_loop_under_forced_switches(kind, monkeypatch):
+    """--budget auto with rounds ahead (the device builds the largest tree every round, a copy
+    graph takes the chosen prefix) against the host-tree round loop, with the chooser forced to
+    cycle through every budget (a switch each round, in both directions): the same tokens and
+    per-round records (tree size, depth, accepted ranks), greedy and sampled, with a stop token."""
+    from ddtree.decode.sampling import SamplingParams
+    from helpers import force_budget_cycle
+
+    cycle = force_budget_cycle(monkeypatch)
+    from ddtree.decode.decoder import Decoder
+
+    ahead_calls = []
+    real = Decoder._ahead_rounds
+    monkeypatch.setattr(Decoder, "_ahead_rounds", lambda self, *a: ahead_calls.append(1) or real(self, *a))
+    dec, _ = build_random_pair(kind, seed=7)
+    prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    runs = {}
+    for ahead in (True, False):
+        dec.rounds_ahead = ahead
+        got = []
+        for sp in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)):
+            rec = dec.generate(prompt, "ddtree", budget="auto", sampling=sp, max_new_tokens=40, seed=3)
+            got.append((rec.token_ids, [(r.tree_size, r.tree_depth, r.accepted, r.accepted_ranks, r.committed)
+                                        for r in rec.rounds]))
+        stop = got[0][0][9]
+        got.append(dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=40, stop_ids={stop}).token_ids)
+        runs[ahead] = got
+        assert len(ahead_calls) == 3  # the ahead runs went through _ahead_rounds; the host-loop runs did not
+    dec.rounds_ahead = True
+    assert [r[0] for r in runs[True][0][1]][: len(cycle)] == [b for b in cycle]
+    assert runs[True] == runs[False]
+    ar = dec.generate(prompt, "ar", max_new_tokens=40).token_ids
+    assert runs[True][0][0] == ar and runs[True][2] == ar[: ar.index(stop) + 1]
+
+
+def test_plain_step_wins_only_where_trees_cannot_pay():
+    """Budget 0 (a plain step, no drafter) against trees: chosen when one token per plain step
+    beats the trees' expected tokens per ms, and its fixed cost is learnt from its rounds."""
+    scores = _scores([0.6] * 4 + [0.3] * 60)  # E_q(4) = 2.4, E_q(64) = 20.4
+    ch = BudgetChooser({4: 10.0, 64: 14.0}, plain_ms=9.0)
+    assert ch.pick(scores)[0] == 64  # a 64-node tree: ~21 tokens in 14 ms against 1 in 9 ms
+    for _ in range(30):  # the target accepts nothing, and a round costs 6 ms more than its verify
+        ch.update(64, 20.4, 0, wall_ms=20.0)
+    assert ch.pick(scores) == (0, 0.0)  # 1 token in 9 ms beats 1 in 16 ms
+    for _ in range(30):  # but plain steps turn out to cost 25 ms each
+        ch.update_plain(25.0)
+    assert abs(ch.fixed_plain_ms - 16.0) < 1e-6 and ch.pick(scores)[0] == 4
+    assert BudgetChooser({4: 10.0}).pick(scores)[0] == 4  # no plain_ms: trees only
+
+
+def test_staged_tree_follows_the_choice_and_climbs():
+    """Rounds ahead, auto stages the tree it chose (not the largest), one budget up in two
+    consecutive rounds of every CLIMB_EVERY (so the next choice can take the bigger tree), and
+    after plain steps the last tree budget chosen; an E_q curve only offers what the staged tree covers."""
+    from ddtree.decode.decoder import CLIMB_EVERY
+
+    ch = BudgetChooser({4: 1.0, 8: 1.0, 15: 1.0, 32: 1.0, 64: 1.0}, plain_ms=0.5)
+    assert ch.build_for(0, 5) == 15  # no tree chosen yet: the chain's size
+    assert [ch.build_for(15, r) for r in range(2 * CLIMB_EVERY)] == \
+        ([32, 32] + [15] * (CLIMB_EVERY - 2)) * 2
+    assert ch.build_for(0, 3) == 15 and ch.build_for(64, 0) == 64 and ch.build_for(4, 1) == 8
+    assert ch.build_for(0, 2) == 4
+    eq = {4: 3.0, 8: 5.0}  # a tree of budget 8: cheap verifies, so the largest covered wins
+    assert ch.pick_eq(eq)[0] == 8 and ch.pick_eq(eq, cap=4)[0] == 4
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_auto_plain_steps_are_exact(kind, monkeypatch):
+    """--budget auto rounds ahead with plain steps forced in (runs of them, a probe that drafts
+    after PLAIN_PROBE of them, and switches to trees and back): greedy tokens equal ar's, plain
+    rounds are recorded as tree size 0, and trees follow only a step that drafted."""
+    from ddtree.decode import decoder as decoding
+
+    from helpers import force_budget_cycle
+
+    monkeypatch.setattr(decoding, "PLAIN_PROBE", 3)
+    cycle = force_budget_cycle(monkeypatch, [8, 0, 0, 0, 0, 32, 0, 15, 0, 0, 0, 0, 0, 4])
+    dec, _ = build_random_pair(kind, seed=7)
+    prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    ar = dec.generate(prompt, "ar", max_new_tokens=48).token_ids
+    rec = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=48)
+    assert rec.token_ids == ar
+    sizes = [r.tree_size for r in rec.rounds]
+    assert 0 in sizes and any(s > 0 for s in sizes[sizes.index(0):])
+    assert set(sizes) - {0} <= set(cycle) and 32 in sizes  # up from 8 to 32 across plain steps: staged at 32
+    assert all(r.committed == 1 and r.accepted == 0 for r in rec.rounds if r.tree_size == 0)
+    # a run of plain steps is left only after a drafting one: the PLAIN_PROBE-th (3rd) in a row
+    run = 0
+    for s in sizes:
+        if s == 0:
+            run += 1
+        else:
+            assert run == 0 or run % 3 == 0, sizes
+            run = 0

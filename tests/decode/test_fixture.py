@@ -1,0 +1,81 @@
+"""The codepair fixture (a small trained Qwen3.5-layout pair): our greedy `ar` equals transformers'
+greedy generate, and greedy `ddtree` / `dflash` equal our `ar`, on real prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FIXTURE_DIR as FIXTURE  # noqa: E402
+NEW = 32
+PROMPTS = 4
+
+pytestmark = [
+    pytest.mark.fixture,
+    pytest.mark.skipif(not (FIXTURE / "target" / "config.json").is_file(),
+                       reason=f"codepair fixture not found at {FIXTURE} (see ../shared/fixtures/codepair/README.md)"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):  # tests/conftest.py: tiny models run on one thread
+    yield
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(FIXTURE / "target"))
+    rows = [json.loads(line) for line in (FIXTURE / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    picked = rows[:: len(rows) // PROMPTS][:PROMPTS]  # spread over the file
+    return [(r["id"], tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in picked]
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    from ddtree.model.checkpoint import load_drafter, load_target
+    from ddtree.decode.decoder import Decoder
+
+    cpu = torch.device("cpu")
+    target, _ = load_target(str(FIXTURE / "target"), [cpu], torch.float32, 512)
+    drafter, _ = load_drafter(str(FIXTURE / "drafter"), target, torch.float32, 512)
+    assert drafter.cfg.mask_token_id == 1 and drafter.cfg.target_layer_ids == [1, 4, 5]
+    assert drafter.cfg.block_size == 16
+    return Decoder(target, drafter)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(decoder, prompts):
+    stop = set(decoder.target.cfg.eos_token_ids)
+    return {pid: decoder.generate(ids, "ar", max_new_tokens=NEW, stop_ids=stop).token_ids for pid, ids in prompts}
+
+
+def test_ar_equals_transformers_greedy(prompts, ar_outputs):
+    from transformers import Qwen3_5ForCausalLM
+
+    hf = Qwen3_5ForCausalLM.from_pretrained(str(FIXTURE / "target"), dtype=torch.float32).eval()
+    for pid, ids in prompts:
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=NEW, eos_token_id=0, pad_token_id=0)
+        ref = out[0, len(ids):].tolist()
+        assert ar_outputs[pid] == ref, f"{pid}: ar differs from transformers greedy"
+        assert len(ref) == NEW or ref[-1] == 0
+
+
+@pytest.mark.parametrize("method,budget", [("ddtree", 4), ("ddtree", 32), ("dflash", 1)])
+def test_greedy_speculative_equals_ar(decoder, prompts, ar_outputs, method, budget):
+    stop = set(decoder.target.cfg.eos_token_ids)
+    accepted = rounds = 0
+    for pid, ids in prompts:
+        rec = decoder.generate(ids, method, budget=budget, max_new_tokens=NEW, stop_ids=stop)
+        assert rec.token_ids == ar_outputs[pid], f"{pid}: {method} {budget} differs from ar"
+        assert sum(r.committed for r in rec.rounds) == rec.new_tokens - 1
+        accepted += sum(r.accepted for r in rec.rounds)
+        rounds += len(rec.rounds)
+    # a trained drafter is accepted into (README: chain ~1.65, tree 32 ~2.23 tokens per round)
+    assert 1 + accepted / rounds > 1.2

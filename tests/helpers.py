@@ -1,0 +1,236 @@
+"""Shared helpers for the model / GDN / verify / checkpoint tests (tiny random models, random trees)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+from ddtree.model.synthetic import build_random_target
+from ddtree.ops.tree import Tree, ancestor_mask_from_parents
+
+
+class MaxErrors(dict):
+    """Worst relative error seen per check in a test module (printed by its report test, -s)."""
+
+    def note(self, key: str, e: float) -> float:
+        self[key] = max(self.get(key, 0.0), e)
+        return e
+
+    def report(self, tag: str) -> None:
+        print(f"\n[{tag}] max relative errors:", {k: f"{v:.2e}" for k, v in self.items()})
+
+
+@pytest.fixture(autouse=True)
+def tiny_cpu_each_test():
+    """Autouse in the modules that import it: every test runs under tiny_cpu()."""
+    with tiny_cpu():
+        yield
+
+
+@contextlib.contextmanager
+def tiny_cpu():
+    """no_grad + one intra-op thread + torch.manual_seed(0) for the duration of a test (threads restored after).
+
+    The models here are a few KB: threads buy nothing, and on a loaded 2-core runner OpenMP
+    spin-waiting made each tiny matmul ~50x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------- comparisons
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| (in float64)."""
+    got, ref = got.double(), ref.double()
+    scale = ref.abs().max().clamp_min(1e-30)
+    return float((got - ref).abs().max() / scale)
+
+
+def assert_rel(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> float:
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    e = rel_err(got, ref)
+    assert e < tol, f"{what}: max abs diff / max abs ref = {e:.3g} >= {tol:g}"
+    return e
+
+
+# ----------------------------------------------------------------------------- models
+def tame_decay_(model, seed: int, lo: float = 0.05, hi: float = 1.0):
+    """Redraw every GDN layer's A (decay rate, A = exp(A_log)) uniformly in [lo, hi].
+
+    ddtree.model.synthetic.randomize_ draws A in [1, 16]: per-token decays down to e^-30, so the state is
+    wiped every step and o_t ~ b_t (q_t . k_t) v_t is often ~1e-5 of its typical size; the gated
+    RMSNorm after it (and the q/k l2norm on tiny dk) then amplify float32 rounding so much that two
+    correct float32 implementations (ours and transformers') differ by up to ~2e-4 of the logit
+    scale on a 4-layer tiny model (condition number ~1e3, measured). With A in [0.05, 1] the same
+    comparison sits at ~1e-5, so a 1e-4 tolerance tests the math, not the rounding. Strong decay
+    is covered by tests/test_gdn.py on the bare recurrence."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    for layer in model.layers:
+        if layer.kind == "linear_attention":
+            a = layer.linear_attn.A_log
+            a.data.copy_(torch.empty(a.shape).uniform_(lo, hi, generator=gen).log().to(a.dtype))
+    model.prepare()  # refresh the inference constants derived from the weights
+    return model
+
+
+def build_target(raw: dict, seed: int = 0, dtype=torch.float32, max_len: int = 512, tame: bool = True):
+    """build_random_target (+ tame_decay_ for hybrids)."""
+    torch.manual_seed(seed)
+    model = build_random_target(raw, seed=seed, dtype=dtype, max_len=max_len)
+    if tame and model.cfg.is_hybrid:
+        tame_decay_(model, seed)
+    return model
+
+
+# ----------------------------------------------------------------------------- random trees
+TREE_KINDS = ("chain", "star", "deep", "bushy", "random")
+
+
+def random_parents(kind: str, n: int, rng: random.Random, max_depth: int | None = None) -> list[int]:
+    """Parents of a random tree of n nodes (parents[0] = -1, parents[i] < i), depth <= max_depth.
+
+    chain: a path; star: every node under the root; deep: a few long branches; bushy: wide and
+    shallow; random: uniform earlier parent.
+    """
+    max_depth = n if max_depth is None else max_depth
+    parents, depths = [-1], [0]
+    for i in range(1, n):
+        if kind == "chain":
+            p = i - 1
+        elif kind == "star":
+            p = 0
+        elif kind == "deep":  # mostly extend the newest node; branch off an earlier one now and then
+            p = i - 1 if rng.random() < 0.8 else rng.randrange(i)
+        elif kind == "bushy":  # prefer shallow parents
+            shallow = [j for j in range(i) if depths[j] <= 2] or list(range(i))
+            p = rng.choice(shallow)
+        elif kind == "random":
+            p = rng.randrange(i)
+        else:
+            raise ValueError(kind)
+        if depths[p] + 1 > max_depth:  # respect the depth cap: pick among nodes that still may grow
+            ok = [j for j in range(i) if depths[j] < max_depth]
+            p = rng.choice(ok)
+        parents.append(p)
+        depths.append(depths[p] + 1)
+    return parents
+
+
+def make_tree(parents: list[int], tokens: torch.Tensor) -> Tree:
+    par = torch.tensor(parents, dtype=torch.int64)
+    depths = [0] * len(parents)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            depths[i] = depths[p] + 1
+    return Tree(tokens=torch.as_tensor(tokens, dtype=torch.int64), parents=par,
+                depths=torch.tensor(depths, dtype=torch.int64), ranks=torch.zeros(len(parents), dtype=torch.int64),
+                ancestor_mask=ancestor_mask_from_parents(par))
+
+
+def random_tree(kind: str, n: int, rng: random.Random, vocab: int, max_depth: int = 16) -> Tree:
+    parents = random_parents(kind, n, rng, max_depth)
+    tokens = torch.tensor([rng.randrange(vocab) for _ in range(n)], dtype=torch.int64)
+    return make_tree(parents, tokens)
+
+
+def leaves(tree: Tree) -> list[int]:
+    par = set(tree.parents.tolist())
+    return [i for i in range(tree.num_nodes) if i not in par]
+
+
+# ----------------------------------------------------------------------------- engine driving
+def verify_tree(model, tree: Tree, start: int, kv_extra: int = 0, logit_rows=None):
+    """ONE target forward over the whole tree on top of committed length `start`."""
+    return model.forward(
+        tree.tokens, start + tree.depths, tree.ancestor_mask, tree.parents, torch.tensor(start),
+        start + tree.num_nodes + kv_extra, logit_rows=logit_rows, want_taps=bool(model.tap_layers),
+    )
+
+
+def commit_path(model, path: list[int], start: int, pad_to: int | None = None):
+    """target.commit(path_nodes padded to P with the last node, n_nodes, start)."""
+    P = max(len(path), pad_to or 0)
+    nodes = list(path) + [path[-1]] * (P - len(path))
+    model.commit(torch.tensor(nodes, dtype=torch.int64), torch.tensor(len(path)), torch.tensor(start))
+
+
+def decode_step(model, token: int, pos: int):
+    """One autoregressive step = a one-node tree at `pos`, then commit it. Returns (logits [V], taps [1, .] or None)."""
+    logits, taps = model.forward(
+        torch.tensor([int(token)]), torch.tensor([pos]), torch.ones(1, 1, dtype=torch.bool),
+        torch.tensor([-1]), torch.tensor(pos), pos + 1, want_taps=bool(model.tap_layers),
+    )
+    model.commit(torch.tensor([0]), torch.tensor(1), torch.tensor(pos))
+    return logits[0], taps
+
+
+def state_tensors(model, upto: int) -> dict[str, torch.Tensor]:
+    """Everything a committed prefix of length `upto` lives in: GDN conv/rec state, K/V slots < upto."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        if layer.kind == "linear_attention":
+            out[f"{i}.conv_state"] = layer.linear_attn.conv_state
+            out[f"{i}.rec_state"] = layer.linear_attn.rec_state
+        else:
+            out[f"{i}.k"] = layer.self_attn.k_cache[:upto]
+            out[f"{i}.v"] = layer.self_attn.v_cache[:upto]
+    return out
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state_tensors(model, model.max_len).items()}
+
+
+def restore(model, snap: dict[str, torch.Tensor]):
+    for k, v in state_tensors(model, model.max_len).items():
+        v.copy_(snap[k])
+
+
+def compare_states(a, b, upto: int, tol: float) -> float:
+    """Relative max error over all committed state of two models (each tensor against its own scale)."""
+    sa, sb = state_tensors(a, upto), state_tensors(b, upto)
+    worst = 0.0
+    for k in sa:
+        worst = max(worst, assert_rel(sa[k].float(), sb[k].float(), tol, f"state {k}"))
+    return worst
+
+
+AUTO_CYCLE = [15, 4, 64, 8, 32, 64, 4]  # --budget auto forced to switch every round, both directions
+
+
+def force_budget_cycle(monkeypatch, cycle: list[int] = AUTO_CYCLE) -> list[int]:
+    """Make BudgetChooser.pick_eq return the budgets of `cycle` in turn (0: a plain step), so a
+    test sees every switch, and build_for stage each round the tree the next choice truncates (the
+    cycle's next tree budget: the staged trees change size every round too). -> the cycle."""
+    from ddtree.decode.decoder import BudgetChooser
+
+    def forced(self, eq, cap=None):
+        self.calls = getattr(self, "calls", -1) + 1
+        b = cycle[self.calls % len(cycle)]
+        assert cap is None or b <= cap, f"the staged tree ({cap}) does not cover the forced budget {b}"
+        return (b, eq.get(b, 0.0)) if b else (0, 0.0)
+
+    def build(self, b, r):
+        i = self.calls % len(cycle)
+        return next(x for x in cycle[i + 1:] + cycle if x)  # the next tree budget after this one
+
+    monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
+    monkeypatch.setattr(BudgetChooser, "build_for", build)
+    return cycle
+
+
+def draft_from_logits(logits_fn):
+    """A drafter's `draft_topk` whose logits come from logits_fn(bonus, kv_len) -> [B-1, V] (the
+    tests' oracle drafters): set it on the drafter instance; the decoder drafts only through
+    draft_topk, and this is its unfused path with other logits."""
+    from ddtree.model.drafter import topk_logprobs
+
+    return lambda bonus, kv_len, k, temperature=None: topk_logprobs(logits_fn(bonus, kv_len), k, temperature)

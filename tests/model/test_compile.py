@@ -1,0 +1,98 @@
+"""The compiled layer path (torch.compile / inductor) against the eager reference twin.
+
+On CPU inductor emits C++ (needs a compiler); on the GPU machine tests/test_gpu.py checks the
+Triton kernels the same way inside CUDA graphs. fp32, fresh random inputs, tight tolerances.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from ddtree.model.synthetic import build_random_pair
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+    reason="torch.compile on CPU needs a C++ compiler (g++/clang++), none on PATH",
+)
+
+
+def _random_tree(T: int, gen: torch.Generator):
+    parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=gen)) for n in range(1, T)])
+    mask = torch.eye(T, dtype=torch.bool)
+    for n in range(1, T):
+        mask[n] |= mask[parents[n]]
+    depth = mask.sum(1) - 1
+    return parents, mask, depth
+
+
+@torch.no_grad()
+def check_compiled_matches_eager(device: str, tol: float = 5e-5, split: bool = False):
+    """Forward + commit through compiled layers vs eager on random trees (shared with test_gpu).
+
+    tol is relative to the largest value: inductor fuses and reorders fp32 reductions (the q.k
+    sums, norms), measured at 1e-6 to 1e-5 here; a wrong mask, view or state is off by O(1).
+
+    split: give every layer a non-identity `reduce` (a copy), which selects the tensor-parallel
+    form (two compiled halves per layer, the reduce eager between them)."""
+    dec, raw = build_random_pair("hybrid", 5, device=device)
+    tgt = dec.target
+    if split:
+        for layer in tgt.layers:
+            layer.reduce = torch.clone
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, raw["text_config"]["vocab_size"], (23,), generator=gen).to(device)
+    for T in (1, 9, 16, 1, 24):  # T = 1 specialised; T > 1 compiled once as static, then dynamic
+        parents, mask, depth = (t.to(device) for t in _random_tree(T, gen))
+        toks = torch.randint(2, raw["text_config"]["vocab_size"], (T,), generator=gen).to(device)
+        outs = []
+        for compiled in (False, True):
+            tgt.reset()
+            tgt.compile_layers = False
+            tgt.prefill(prompt, want_taps=False)
+            tgt.compile_layers = compiled
+            start = torch.tensor(len(prompt), device=device)
+            logits, _ = tgt.forward(toks, start + depth, mask, parents, start, len(prompt) + T, want_taps=False)
+            node = int(torch.randint(0, T, (1,), generator=gen)) if not compiled else outs[0][2]
+            path = torch.nonzero(mask[node]).flatten()
+            path_nodes = torch.cat([path, path[-1:].expand(16 - len(path))])
+            tgt.commit(path_nodes, torch.tensor(len(path), device=device), start)
+            g = next(iter(tgt.gdn_groups.values()))
+            kc = next(iter(tgt.kv_stacks.values()))[0]
+            outs.append((logits, g.state.clone(), node, g.conv.clone(), kc[:, : len(prompt) + len(path)].clone()))
+        (l0, s0, _, c0, k0), (l1, s1, _, c1, k1) = outs
+        scale = l0.abs().max()
+        assert (l0 - l1).abs().max() <= tol * scale, f"T={T}: logits differ"
+        assert (s0 - s1).abs().max() <= tol * s0.abs().max(), f"T={T}: recurrent states differ"
+        assert (c0 - c1).abs().max() <= tol * c0.abs().max(), f"T={T}: conv states differ"
+        assert (k0 - k1).abs().max() <= tol * k0.abs().max(), f"T={T}: K cache differs"
+    tgt.compile_layers = False
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole-layer", "tp-halves"])
+def test_compiled_layers_match_eager_forward_and_commit(one_thread, split):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    check_compiled_matches_eager("cpu", split=split)
+    # No graph breaks (each would leave eager kernels between compiled pieces), and one graph per
+    # layer kind (GDN, attention) for T = 1 and one for every T > 1; under TP the mixer half has
+    # those four and the MLP half (the same for both kinds) two.
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == (6 if split else 4)
+
+
+@torch.no_grad()
+def test_compiled_greedy_ddtree_equals_eager_ar(one_thread):
+    dec, raw = build_random_pair("hybrid", 2)
+    prompt = [int(t) for t in torch.randint(2, raw["text_config"]["vocab_size"], (11,),
+                                             generator=torch.Generator().manual_seed(1))]
+    ar = dec.generate(prompt, "ar", max_new_tokens=40)
+    dec.compile = True  # the decoder turns the target's compiled layers on for its rounds
+    for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 7), ("ddtree", 32)):
+        rec = dec.generate(prompt, method, budget=budget, max_new_tokens=40)
+        assert rec.token_ids == ar.token_ids, f"compiled {method} {budget} differs from eager ar"
+    dec.compile = False

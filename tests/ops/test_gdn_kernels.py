@@ -1,0 +1,292 @@
+"""The Triton GDN kernels (ddtree.ops.gdn_kernels) against their torch twins: compiled on a GPU, and on
+machines without one under Triton's interpreter on CPU tensors (the same kernel source; the
+interpreter is switched on by tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton not installed (pip install triton): its interpreter runs these on CPU")
+
+from ddtree.ops import gdn
+from ddtree.ops import gdn_kernels as triton_gdn  # noqa: E402
+from ddtree.model.synthetic import build_random_pair, build_random_target, tiny_hybrid_config  # noqa: E402
+from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
+from helpers import MaxErrors, assert_rel, rel_err, tiny_cpu_each_test  # noqa: E402,F401
+
+DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+if DEV.type == "cpu" and not triton_gdn.interpreter_on():
+    pytest.skip("TRITON_INTERPRET=1 was not set before triton's import (tests/conftest.py sets it without a GPU)",
+                allow_module_level=True)
+ERR = MaxErrors()
+
+# tiny: non-power-of-two dv (masked lanes), 2 value heads per key head; wide: the 27B layout
+# (3 value heads per key head, power-of-two dims).
+CONFIGS = {
+    "tiny": dict(),
+    "wide": dict(hidden=96, gdn_k_heads=2, gdn_v_heads=6, gdn_k_dim=32, gdn_v_dim=32),
+}
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setattr(triton_gdn, "ENABLED", True)
+    monkeypatch.setattr(triton_gdn, "INTERPRET_ON_CPU", True)
+
+
+def _one_node_step(model, start: int):
+    z = torch.zeros(1, dtype=torch.long, device=DEV)
+    return model.make_step(z + start, torch.ones(1, 1, dtype=torch.bool, device=DEV), z - 1,
+                           torch.tensor(start, device=DEV), start + 1, DEV)
+
+
+def _random_inputs(model, trial: int):
+    g = torch.Generator().manual_seed(trial)
+    group = next(iter(model.gdn_groups.values()))
+    return (torch.randn(group.state.shape, generator=g) * 0.5, torch.randn(group.conv.shape, generator=g),
+            torch.randn(1, model.cfg.hidden_size, generator=g))
+
+
+def _run_step(model, inputs, fast: bool, monkeypatch):
+    """One decode token through layer 0's GDN mixer, torch path or kernel.
+    -> (output, k, U, c scratch at node 0, ext rows)."""
+    state, conv, x = inputs
+    group = next(iter(model.gdn_groups.values()))
+    group.state.copy_(state)
+    group.conv.copy_(conv.to(model.dtype))
+    for b in (group.kbuf, group.ubuf, group.cbuf, group.ebuf):
+        b.fill_(float("nan"))  # what is not written shows up
+    monkeypatch.setattr(triton_gdn, "ENABLED", fast)
+    monkeypatch.setattr(triton_gdn, "INTERPRET_ON_CPU", fast)
+    layer = model.layers[0].linear_attn
+    o = layer(x.to(DEV, model.dtype), _one_node_step(model, 7))
+    kb, ub, cb = (t[:, :1].clone() for t in layer.wy_bufs)
+    return o, kb, ub, cb, layer.ext_buf[: layer.width].clone()
+
+
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+def test_step_kernel_matches_torch_path(monkeypatch, cfg):
+    """float32: output, the commit scratch (k, U, c) and the conv rows equal the torch path's."""
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=4, device=DEV)
+    for trial in range(3):
+        inputs = _random_inputs(model, trial)
+        ref = _run_step(model, inputs, False, monkeypatch)
+        got = _run_step(model, inputs, True, monkeypatch)
+        for name, a, b in zip(("out", "k", "U", "c", "ext"), got, ref):
+            assert not a.isnan().any(), f"{name}: not written"
+            ERR.note(f"step {name}", assert_rel(a, b, 1e-5 if name != "ext" else 1e-30, name))
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="bf16 roundings need the GPU: Triton's CPU interpreter truncates to bf16")
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+def test_step_kernel_bf16_as_close_to_fp32_as_torch_path(monkeypatch, cfg):
+    """bfloat16: the kernel rounds where the torch path rounds, so against the same model run in
+    float32 it is as accurate as the torch path (mean over trials, within 25%)."""
+    raw = tiny_hybrid_config(**CONFIGS[cfg])
+    m16 = build_random_target(raw, seed=4, device=DEV, dtype=torch.bfloat16)
+    m32 = build_random_target(raw, seed=4, device=DEV)
+    for a, b in zip(m32.parameters(), m16.parameters()):
+        a.copy_(b.float())  # the same (bf16-valued) weights
+    m32.prepare()
+    e_torch, e_kernel = [], []
+    for trial in range(8):
+        inputs = _random_inputs(m16, trial)
+        inputs = (inputs[0], inputs[1].to(torch.bfloat16).float(), inputs[2].to(torch.bfloat16).float())
+        truth = _run_step(m32, inputs, False, monkeypatch)[0]
+        e_torch.append(rel_err(_run_step(m16, inputs, False, monkeypatch)[0], truth))
+        e_kernel.append(rel_err(_run_step(m16, inputs, True, monkeypatch)[0], truth))
+    mt, mk = sum(e_torch) / len(e_torch), sum(e_kernel) / len(e_kernel)
+    ERR.note("step bf16 kernel vs fp32", mk)
+    ERR.note("step bf16 torch vs fp32", mt)
+    assert mk <= 1.25 * mt, f"bf16 kernel error {mk:.3g} vs torch path {mt:.3g} (both against float32)"
+
+
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+def test_commit_kernel_matches_commit_states(cfg):
+    """The state pass over a random tree's accepted path, batched over layers, vs commit_states_."""
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=5, device=DEV)
+    group = next(iter(model.gdn_groups.values()))
+    L, H, dk, dv = group.state.shape
+    g = torch.Generator().manual_seed(1)
+    for T in (1, 5, 17):
+        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g)) for n in range(1, T)])
+        mask = ancestor_mask_from_parents(parents).to(DEV)
+        for b in (group.kbuf, group.ubuf):
+            b.copy_(torch.randn(b.shape, generator=g))
+        group.cbuf.copy_(-torch.rand(group.cbuf.shape, generator=g).cumsum(-1))
+        S0 = torch.randn(L, H, dk, dv, generator=g).to(DEV)
+        for node in {0, T // 2, T - 1}:
+            path = mask[node].nonzero()[:, 0]  # root first (ancestors have smaller indices)
+            n = torch.tensor(path.shape[0], device=DEV)
+            padded = torch.cat([path, path[-1:].expand(16 - path.shape[0])])  # as the walk pads it
+            ref = gdn.commit_states_(S0.clone(), *group.wy(T), torch.tensor(node, device=DEV), mask)
+            got = triton_gdn.gdn_commit_(S0.clone(), *group.wy(T), padded, n)
+            ERR.note("commit", assert_rel(got, ref, 1e-6, f"T={T} node={node}"))
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", "auto")])
+def test_decoding_through_the_kernels_equals_torch_path(interpret, monkeypatch, method, budget):
+    """Whole decoders: greedy tokens with the kernels (AR steps fused, every commit through the
+    kernel, ddtree's trees built by the tree kernel, every walk in the walk kernel) equal the torch path's."""
+    from ddtree.decode import decoder as decoding
+
+    if budget == "auto":  # on a GPU the timed choice may be plain steps throughout: force trees in
+        from helpers import force_budget_cycle
+
+        force_budget_cycle(monkeypatch)
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    toks, kernel_trees, kernel_walks = {}, [], []
+    real, real_walk = decoding.build_tree_kernel, decoding.walk_kernel
+    monkeypatch.setattr(decoding, "build_tree_kernel", lambda *a, **k: kernel_trees.append(1) or real(*a, **k))
+    monkeypatch.setattr(decoding, "walk_kernel", lambda *a, **k: kernel_walks.append(1) or real_walk(*a, **k))
+    for fast in (True, False):
+        monkeypatch.setattr(triton_gdn, "ENABLED", fast)
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
+        toks[fast] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
+    assert toks[True] == toks[False]
+    assert bool(kernel_trees) == (method == "ddtree")  # fixed-budget ddtree builds its trees in triton_tree's kernel
+    assert kernel_walks  # every method walks its verified tree in triton_tree's walk kernel
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_tree_kernel_matches_tree_wy(monkeypatch, cfg):
+    """The tree-verify kernel against gdn.tree_wy on random trees of
+    2..65 nodes, with the strided q / k / v views the layer passes: outputs and commit scratch."""
+    from ddtree.ops.tree import ancestor_mask_from_parents
+
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=1, device=DEV)
+    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
+    g_ = torch.Generator().manual_seed(5)
+    for T in (2, 3, 9, 17, 33, 65):
+        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
+        mask = ancestor_mask_from_parents(parents).to(DEV)
+        x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
+        s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
+        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
+        S0 = torch.randn(layer.rec_state.shape, generator=g_).to(DEV) * 0.5
+        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
+        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)
+        ref = [t.clone() for t in scratch]
+        got_scratch = [torch.zeros_like(t) for t in scratch]
+        o = triton_gdn.gdn_tree(q, k, v, g, beta, S0, mask, got_scratch)
+        ERR.note("tree verify", assert_rel(o, o_ref, 1e-5, f"T={T}"))
+        for a, b in zip(got_scratch, ref):
+            ERR.note("tree verify scratch", assert_rel(a, b, 1e-5, f"T={T}"))
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_tree_prologue_kernel_matches_torch_prologue(cfg):
+    """The tree kernel with the layer's prologue inside (tree convolution + SiLU from the conv
+    inputs, q/k l2 norms, head repeat, gates from the projection) against qkvgb + tree_wy on random
+    trees and random conv states: outputs, commit scratch, and the whole mixer's output."""
+    from ddtree.ops.tree import ancestor_mask_from_parents
+
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
+    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
+    g_ = torch.Generator().manual_seed(6)
+    for T in (2, 3, 9, 16, 17, 33):
+        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
+        if T == 16:  # a chain (the DFlash block)
+            parents = torch.arange(T) - 1
+        mask = ancestor_mask_from_parents(parents).to(DEV)
+        x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
+        layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_))
+        layer.rec_state.copy_(torch.randn(layer.rec_state.shape, generator=g_) * 0.5)
+        s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
+        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
+        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
+        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
+        ref = [t.clone() for t in scratch]
+        proj = layer.in_proj(x)
+        got = [torch.zeros_like(t) for t in scratch]
+        o = triton_gdn.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
+        ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"T={T}"))
+        for a, b in zip(got, ref):
+            ERR.note("tree prologue scratch", assert_rel(a, b, 1e-5, f"T={T}"))
+        want = layer.forward(x, s)  # the torch prologue (TREE_PROLOGUE off) ...
+        ERR.note("tree prologue mixer", assert_rel(layer._tree_fused(x, s), want, 1e-5, f"T={T}"))
+
+
+@pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
+def test_decoding_through_the_prologue_kernel_equals_torch_path(interpret, monkeypatch, method, budget):
+    """Whole decoders with every tree verify's GDN layer in the prologue kernel (DDTREE_TREE_PROLOGUE=1):
+    greedy tokens equal the torch path's, and the kernel was used."""
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    calls, real = [], triton_gdn.gdn_tree_prologue
+    monkeypatch.setattr(triton_gdn, "gdn_tree_prologue", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_gdn, "TREE_TILE", 1 << 20)
+    toks = {}
+    for on in (True, False):
+        monkeypatch.setattr(triton_gdn, "TREE_PROLOGUE", on)
+        monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
+        toks[on] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
+    assert toks[True] == toks[False] and calls
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 8)])
+def test_decoding_through_the_tree_kernel_equals_torch_path(interpret, monkeypatch, method, budget):
+    """Whole decoders with every tree verify's GDN recurrence in the kernel: greedy tokens
+    equal the torch path's (tree_wy), and the kernel was used."""
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    calls, real = [], triton_gdn.gdn_tree
+    monkeypatch.setattr(triton_gdn, "gdn_tree", lambda *a: calls.append(1) or real(*a))
+    toks = {}
+    for on in (True, False):
+        monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
+        monkeypatch.setattr(triton_gdn, "TREE_TILE", 1 << 20)  # every size up to 128 nodes
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
+        toks[on] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
+    assert toks[True] == toks[False] and calls
+
+
+@pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40), (7, 128)])
+def test_kv_commit_kernel_matches_index_copy(P, W):
+    """The attention K/V commit kernel against index_select + index_copy_ on random paths whose
+    source rows overlap their destinations (node i's destination may be node j's source), bit-exact."""
+    g_ = torch.Generator().manual_seed(P + W)
+    L, max_len, hd = 3, 80, 8
+    for trial in range(4):
+        k = torch.randn(L, max_len, W // hd, hd, generator=g_).to(DEV, torch.bfloat16)
+        v = torch.randn(L, max_len, W // hd, hd, generator=g_).to(DEV, torch.bfloat16)
+        n = int(torch.randint(1, P + 1, (1,), generator=g_))
+        nodes = torch.sort(torch.randperm(2 * P, generator=g_)[:n]).values  # ascending, as a tree's path is
+        path = torch.cat([nodes, nodes[-1:].expand(P - n)]).to(DEV)  # padded with the last node
+        start = torch.tensor(5 + trial, device=DEV)
+        ref = []
+        for c in (k.clone(), v.clone()):
+            dst = start + torch.arange(P, device=DEV)
+            c.index_copy_(1, dst, c.index_select(1, start + path))
+            ref.append(c)
+        triton_gdn.kv_commit_(k, v, path, start)
+        assert torch.equal(k, ref[0]) and torch.equal(v, ref[1])
+
+
+@pytest.mark.parametrize("T,C", [(1, 40), (17, 96), (5, 1500)])
+def test_conv_commit_kernel_matches_index_select(T, C):
+    """The conv pass of a commit against GDNGroup.commit's index_selects: every layer's conv rows
+    become the newest inputs on the path of the walked path's last node (random trees, every n), bit-exact."""
+    from ddtree.ops.gdn import conv_window_index
+
+    g_ = torch.Generator().manual_seed(T * C)
+    L, hist, cap = 3, 3, 20
+    for trial in range(4):
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g_)) for i in range(1, T)])
+        window = conv_window_index(parents, hist + 1).to(DEV)
+        ebuf = torch.randn(L, hist + cap, C, generator=g_).to(DEV, torch.bfloat16)
+        ext = ebuf[:, : hist + T]  # the group's view
+        conv = torch.randn(L, hist, C, generator=g_).to(DEV, torch.bfloat16)
+        P = 4
+        last = int(torch.randint(0, T, (1,), generator=g_))
+        n = int(torch.randint(1, P + 1, (1,), generator=g_))
+        path = torch.full((P,), last, dtype=torch.long)
+        path[: n - 1] = torch.randint(0, T, (n - 1,), generator=g_)  # only path[n - 1] may matter
+        path, n_d = path.to(DEV), torch.tensor(n, device=DEV)
+        ref = ext.index_select(1, window[last, 1:])
+        triton_gdn.conv_commit_(conv, ext, window, path, n_d)
+        assert torch.equal(conv, ref), (T, C, trial)
+
+
+def test_report_max_errors():
+    ERR.report("triton_gdn")
