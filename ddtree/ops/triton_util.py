@@ -1,0 +1,64 @@
+"""Triton plumbing shared by every kernel of the project: the optional import, where a kernel
+may run (CUDA, or CPU tensors under Triton's interpreter for the tests), and the jitted-function
+cache.
+
+On CPU tensors the kernels run under Triton's interpreter (TRITON_INTERPRET=1 before triton's
+import, as tests/conftest.py sets it on machines without a GPU): that is how the tests compare
+them with their torch twins without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # triton is optional: the torch paths are complete
+    triton = tl = None
+
+
+# Read once at import, not per call: the check runs inside compiled layers.
+ENABLED = triton is not None and os.environ.get("DDTREE_NO_TRITON") != "1"
+# Tests set it (or DDTREE_TRITON_ON_CPU=1, for worker processes): CPU forwards and commits then take
+# these kernels too, under the interpreter.
+INTERPRET_ON_CPU = os.environ.get("DDTREE_TRITON_ON_CPU") == "1"
+
+
+def available(t: torch.Tensor) -> bool:
+    """Fast path for tensors on this device? (CUDA, triton importable, not turned off)."""
+    return ENABLED and (t.is_cuda or INTERPRET_ON_CPU)
+
+
+_JIT: dict = {}  # (kernel, interpret) -> jitted; the CUDA ones are made at import (see the end)
+
+
+def _on_device_of(t: torch.Tensor):
+    """Triton launches on the current device's current stream: make it t's (layers split over
+    GPUs run eagerly with another device current). Compiled code needs no guard: inductor sets it."""
+    if t.is_cuda and not torch.compiler.is_compiling():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernel(fn, interpret: bool):
+    """The jitted kernel for a CUDA launch, or the interpreted one for CPU tensors."""
+    key = (fn.__name__, interpret)
+    if key not in _JIT:
+        if interpret:
+            if not interpreter_on():
+                raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _JIT[key] = InterpretedFunction(fn)
+        else:
+            _JIT[key] = triton.jit(fn)
+    return _JIT[key]
+
