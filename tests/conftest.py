@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU, Triton kernels (ddtree.ops.gdn_kernels) run under Triton's interpreter on CPU tensors;
+# Without a GPU, Triton kernels (ddtree.ops.*) run under Triton's interpreter on CPU tensors;
 # the interpreter must be chosen before triton is first imported (its own library functions are
 # decorated at import). With a GPU the kernels are compiled and tested on it.
 if not torch.cuda.is_available() and "triton" not in sys.modules:

@@ -206,25 +206,35 @@ def compare_states(a, b, upto: int, tol: float) -> float:
 AUTO_CYCLE = [15, 4, 64, 8, 32, 64, 4]  # --budget auto forced to switch every round, both directions
 
 
-def force_budget_cycle(monkeypatch, cycle: list[int] = AUTO_CYCLE) -> list[int]:
-    """Make BudgetChooser.pick_eq return the budgets of `cycle` in turn (0: a plain step), so a
-    test sees every switch, and build_for stage each round the tree the next choice truncates (the
-    cycle's next tree budget: the staged trees change size every round too). -> the cycle."""
-    from ddtree.decode.decoder import BudgetChooser
+def forced_chooser(cycle: list[int] = AUTO_CYCLE, probe_every: int | None = None):
+    """A BudgetChooser class whose pick_eq returns the budgets of `cycle` in turn (0: a plain step),
+    so a test sees every switch, and whose build_for stages each round the tree the next choice
+    truncates (the cycle's next tree budget: the staged trees change size every round too). With
+    probe_every, plain runs are probed at that fixed interval. Set it as `decoder.chooser_class`."""
+    from ddtree.decode.budget import BudgetChooser
 
-    def forced(self, eq, cap=None):
-        self.calls = getattr(self, "calls", -1) + 1
-        b = cycle[self.calls % len(cycle)]
-        assert cap is None or b <= cap, f"the staged tree ({cap}) does not cover the forced budget {b}"
-        return (b, eq.get(b, 0.0)) if b else (0, 0.0)
+    class Forced(BudgetChooser):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.calls = -1
+            if probe_every is not None:
+                self.probe_every = probe_every
 
-    def build(self, b, r):
-        i = self.calls % len(cycle)
-        return next(x for x in cycle[i + 1:] + cycle if x)  # the next tree budget after this one
+        def pick_eq(self, eq, cap=None):
+            self.calls += 1
+            b = cycle[self.calls % len(cycle)]
+            assert cap is None or b <= cap, f"the staged tree ({cap}) does not cover the forced budget {b}"
+            return (b, eq.get(b, 0.0)) if b else (0, 0.0)
 
-    monkeypatch.setattr(BudgetChooser, "pick_eq", forced)
-    monkeypatch.setattr(BudgetChooser, "build_for", build)
-    return cycle
+        def build_for(self, b, r):
+            i = self.calls % len(cycle)
+            return next(x for x in cycle[i + 1:] + cycle if x)  # the next tree budget after this one
+
+        def probe_answered(self, b):
+            if probe_every is None:
+                super().probe_answered(b)
+
+    return Forced
 
 
 def draft_from_logits(logits_fn):

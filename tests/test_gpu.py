@@ -26,16 +26,16 @@ def test_graphs_equal_eager_and_cpu(kind):
     assert dec_gpu.compile and not eager.compile, "graphed rounds run the compiled layers, eager ones do not"
 
 
-def test_graphed_auto_switching_equals_eager_host_loop(monkeypatch):
+def test_graphed_auto_switching_equals_eager_host_loop():
     """--budget auto under CUDA graphs (rounds ahead, the tree kernel, the prefix-copy graph) with the
     chooser forced to switch budget every round, against eager host-tree rounds with the same
     switches: the same tokens and records, greedy and sampled."""
-    from helpers import force_budget_cycle
+    from helpers import AUTO_CYCLE, forced_chooser
 
-    cycle = force_budget_cycle(monkeypatch)
+    cycle = AUTO_CYCLE
     dec, _ = build_random_pair("hybrid", seed=5, device="cuda")
-    eager = Decoder(dec.target, dec.drafter, use_graphs=False)
-    eager.rounds_ahead = False
+    eager = Decoder(dec.target, dec.drafter, use_graphs=False, options=dec.options.replace(host_rounds=True))
+    dec.chooser_class = eager.chooser_class = forced_chooser(cycle)
     prompt = torch.randint(2, 97, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     for sp in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)):
         got = [d.generate(prompt, "ddtree", budget="auto", sampling=sp, max_new_tokens=48, seed=2) for d in (dec, eager)]
@@ -93,33 +93,35 @@ def test_cuda_tree_verify_equals_chains():
         assert (taps[n] - ref_taps[-1]).abs().max() < 1e-4 * ref_taps.abs().max()
 
 
-def _prefill_states(dtype, toks, fla: bool, monkeypatch, raw):
+def _prefill_states(dtype, toks, fla: bool, raw):
+    from ddtree.options import Options
+
     m = build_random_target(raw, device="cuda", dtype=dtype, max_len=1024)
-    monkeypatch.setenv("DDTREE_NO_FLA", "0" if fla else "1")
+    m.use(Options(fla=fla))
     logits, _ = m.prefill(toks, chunk=256)
     return logits.float(), [g.state.clone() for g in m.gdn_groups.values()]
 
 
-def test_fla_prefill_matches_torch_path(monkeypatch):
-    """flash-linear-attention's chunk kernel (when installed) against our tree-WY path.
+def test_fla_prefill_matches_torch_path():
+    """flash-linear-attention's chunk kernel (when installed) against our chunked torch path.
     float32: whichever path fla's self-check picks matches the torch path to 1e-4. bfloat16: fla
     must be taken (its TF32 error is under half a bf16 ulp), and against the float32 run it is
     within 1.5x of the torch path's own bf16 error."""
     pytest.importorskip("fla")
-    from ddtree.ops import gdn
+    from ddtree.ops import fla
 
-    monkeypatch.setitem(gdn._FLA, "ok", {})
     raw = tiny_hybrid_config()
     toks = torch.randint(0, 97, (600,))
-    l32, s32 = _prefill_states(torch.float32, toks, True, monkeypatch, raw)
-    r32, t32 = _prefill_states(torch.float32, toks, False, monkeypatch, raw)
+    l32, s32 = _prefill_states(torch.float32, toks, True, raw)
+    r32, t32 = _prefill_states(torch.float32, toks, False, raw)
     assert (l32 - r32).abs().max() < 1e-4 * r32.abs().max()
     for a, b in zip(s32, t32):
         assert (a - b).abs().max() < 1e-4 * b.abs().max()
-    lf, sf = _prefill_states(torch.bfloat16, toks, True, monkeypatch, raw)
-    assert not gdn._FLA["off"], "fla raised an error and was turned off"
-    assert gdn._FLA["ok"].get(torch.bfloat16) is True, "fla's bf16 output failed the self-check"
-    lt, st = _prefill_states(torch.bfloat16, toks, False, monkeypatch, raw)
+    lf, sf = _prefill_states(torch.bfloat16, toks, True, raw)
+    g = next(m for m in build_random_target(raw, device="cuda").gdn_groups.values())
+    assert fla.available(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, g.h, g.dk, g.dv), \
+        "fla failed to run or its bf16 output failed the self-check"
+    lt, st = _prefill_states(torch.bfloat16, toks, False, raw)
 
     def err(x, ref):
         return float((x - ref).abs().max() / ref.abs().max())
@@ -152,17 +154,17 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
     assert split.compile, "compiling the split's layers did not fall back"
 
 
-def test_opt_in_tree_kernel_under_graphs_equals_torch_path(monkeypatch):
-    """The tree-verify kernel (up to 128 nodes) on the GPU: compiled layers (the kernel runs between compiled pieces)
-    inside CUDA graphs give the torch path's greedy tokens for dflash and ddtree."""
-    from ddtree.ops import gdn_kernels as triton_gdn
+def test_tree_kernel_up_to_128_nodes_under_graphs_equals_torch_path():
+    """The tree-verify kernel (tree_kernel=on: up to 128 nodes, with and without the prologue) on
+    the GPU: compiled layers (the kernel runs between compiled pieces) inside CUDA graphs give the
+    torch path's greedy tokens for dflash and ddtree."""
+    from ddtree.options import Options
 
     prompt = torch.randint(2, 97, (60,), generator=torch.Generator().manual_seed(0)).tolist()
     toks = {}
-    for on in (True, False):
-        monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
-        monkeypatch.setattr(triton_gdn, "TREE_TILE", 1 << 20)  # every size up to 128 nodes
-        dec, _ = build_random_pair("hybrid", seed=5, device="cuda")
-        toks[on] = [dec.generate(prompt, m, budget=b, max_new_tokens=32).token_ids
-                    for m, b in (("dflash", 1), ("ddtree", 8), ("ddtree", 64))]
-    assert toks[True] == toks[False]
+    for opts in (Options(tree_kernel="on", tree_prologue=0), Options(tree_kernel="on", tree_prologue=128),
+                 Options(tree_kernel="off")):
+        dec, _ = build_random_pair("hybrid", seed=5, device="cuda", options=opts)
+        toks[opts] = [dec.generate(prompt, m, budget=b, max_new_tokens=32).token_ids
+                      for m, b in (("dflash", 1), ("ddtree", 8), ("ddtree", 64))]
+    assert len(set(map(str, toks.values()))) == 1

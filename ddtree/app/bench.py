@@ -12,6 +12,7 @@ line), tokenizer, stop tokens, and loading the target (+ drafter).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -22,7 +23,6 @@ from typing import Any, Callable
 import torch
 from loguru import logger
 
-from ddtree.ops import gdn_kernels as triton_gdn
 from ddtree.model.checkpoint import load_drafter, load_target, parse_devices, parse_dtype, resolve_model_dir
 from ddtree.model.config import DrafterConfig, TargetConfig
 from ddtree.errors import DDTreeError
@@ -254,6 +254,7 @@ def check_length(n_prompt: int, max_new_tokens: int, room: int, max_length: int 
 
 def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callable[[str], None] | None = None) -> Loaded:
     from ddtree.decode.decoder import Decoder
+    from ddtree.options import Options
 
     stage = stage or (lambda s: None)
     dev_names = ",".join(str(d) for d in spec.devices)
@@ -265,7 +266,7 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
         stage("loading the drafter")
         logger.info(f"loading drafter {spec.drafter_ref} (block size {spec.block_size})")
         drafter, _ = load_drafter(str(spec.drafter_dir), target, spec.dtype, max_len)
-    return Loaded(spec=spec, decoder=Decoder(target, drafter, max_len=max_len), max_len=max_len)
+    return Loaded(spec=spec, decoder=Decoder(target, drafter, max_len=max_len, options=Options.from_env()), max_len=max_len)
 
 
 def model_metadata(spec: ModelSpec, opts: dict, **extra) -> dict:
@@ -501,11 +502,9 @@ def run_bench(
 
     meta = model_metadata(spec, opts, prompts=str(prompts), methods=meths, budgets=buds, warmup=warmup, limit=limit,
                           max_length=max_len, top1_first=top1_first)
-    meta["compiled_layers"] = bool(dec.compile)  # torch.compile'd layers inside CUDA graphs (DDTREE_NO_COMPILE=1: eager)
-    # the fused GDN decode-step and commit kernels (ddtree.ops.gdn_kernels) ran
-    meta["triton_gdn"] = bool(dec.target.gdn_groups) and triton_gdn.available(dec.target.embed_tokens.weight)
-    meta["triton_tree_verify"] = meta["triton_gdn"] and triton_gdn.TREE_MAX_NODES  # tree-verify kernel up to this many nodes (0: off)
-    meta["tree_prologue"] = meta["triton_gdn"] and triton_gdn.TREE_PROLOGUE  # DDTREE_TREE_PROLOGUE=1: GDN prologue in the tree kernel
+    meta["compiled_layers"] = bool(dec.compile)  # torch.compile'd layers (DDTREE_NO_COMPILE=1: eager)
+    meta["options"] = dec.options.to_dict()  # every engine switch (ddtree.options)
+    meta["kernels"] = dataclasses.asdict(dec.kernels)  # the fast paths they resolve to on the target's device
     doc = make_run_document(meta, [{k: r[k] for k in ("method", "budget", "records", "speedup_vs_ar", "block_size")}
                                    for r in results])
     for run, r, (_, b) in zip(doc["runs"], results, plan):

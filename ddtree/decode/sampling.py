@@ -1,7 +1,7 @@
 """Token choice at tree nodes: greedy, or temperature / top-k / top-p sampling.
 
 Every decoder picks the target's token at a node with `choose`, so `ar`, `dflash` and `ddtree`
-share one rule. Speculative exactness then comes from the walk (ddtree.decode.decoder): the token
+share one rule. Speculative exactness then comes from the walk (ddtree.decode.round): the token
 sampled at a node is followed into the child that holds it, else it becomes the bonus.
 """
 
@@ -31,6 +31,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def temperature_or_none(self) -> float | None:
+        """The temperature the drafter's top-k divides by (None when greedy: plain log-probs)."""
+        return None if self.greedy else self.temperature
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

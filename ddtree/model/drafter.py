@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddtree.model.config import DrafterConfig
-from ddtree.model.target import MLP, RMSNorm, _identity, apply_rope, compiled, fused, residual
+from ddtree.model.layers import MLP, RMSNorm, _identity, apply_rope, compiled, fused, residual
 
 
 def drafter_rope(cfg: DrafterConfig, max_len: int, device):

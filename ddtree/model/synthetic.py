@@ -224,14 +224,14 @@ def build_random_drafter(draft_raw: dict, target, device="cpu", dtype=torch.floa
     return d
 
 
-def build_random_pair(kind="hybrid", seed=0, dtype=torch.float32, device="cpu", max_len=512, **kw):
-    """A tiny random target + drafter pair wired into a Decoder."""
+def build_random_pair(kind="hybrid", seed=0, dtype=torch.float32, device="cpu", max_len=512, options=None, **kw):
+    """A tiny random target + drafter pair wired into a Decoder (options: ddtree.options.Options)."""
     from ddtree.decode.decoder import Decoder
 
     raw = tiny_hybrid_config(**kw) if kind == "hybrid" else tiny_dense_config(**kw)
     target = build_random_target(raw, device=device, dtype=dtype, seed=seed, max_len=max_len)
     draft = build_random_drafter(tiny_drafter_config(raw), target, device=device, dtype=dtype, seed=seed + 1, max_len=max_len)
-    return Decoder(target, draft), raw
+    return Decoder(target, draft, options=options), raw
 
 
 @torch.no_grad()

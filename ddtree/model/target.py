@@ -1,13 +1,15 @@
 """Our compact target model: the Qwen3.5/3.6 Gated-DeltaNet hybrid text stack and dense Qwen3.
 
-Every forward processes T new tokens arranged as a tree over the committed prefix:
-  * prefill chunk / chain: path_mask lower-triangular, parents[n] = n - 1
-  * autoregressive step:   a tree of one node
-  * draft-tree verify:     the DDTree tree (node 0 = bonus token)
-Attention layers see the prefix plus the node's ancestors; GDN layers run the tree convolution
-and the tree-WY recurrence (ddtree.ops.gdn). `commit` then keeps one root-to-node path: K/V moved to
-contiguous slots, GDN conv and recurrent states set to the path's last node. Everything that
-depends on what was accepted stays on the device, so a round needs no host sync here.
+Two kinds of forward:
+  * `forward`: T new tokens arranged as a tree over the committed prefix (a decode step is a tree
+    of one node; a verify is the DDTree tree, node 0 = the bonus token). Attention layers see the
+    prefix plus the node's ancestors; GDN layers run the tree convolution and the tree-WY
+    recurrence (ddtree.ops.gdn). `commit` then keeps one root-to-node path: K/V moved to
+    contiguous slots, GDN conv and recurrent states set to the path's last node. Everything that
+    depends on what was accepted stays on the device, so a round needs no host sync here.
+  * `prefill`: the prompt as a chain in large chunks, committed as it goes: causal attention
+    through flash-class kernels (ddtree.ops.attention.prefill_attention) and the GDN chain
+    recurrence through fla's chunk kernel (or its torch twin), with no tree scratch or masks.
 
 State lives in buffers allocated once (`allocate_state`), stacked per device so that a commit is
 a handful of kernels: K/V [attention layers, max_len, kv_heads, head_dim]; GDN conv states
@@ -25,96 +27,12 @@ import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddtree.ops import gdn
-from ddtree.ops import gdn_kernels as triton_gdn
+from ddtree.ops import commit as commit_kernels
+from ddtree.ops import attention, gdn, gdn_step, gdn_tree
+from ddtree.ops.dispatch import REFERENCE, Kernels, resolve
 from ddtree.model.config import TargetConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, plus_one: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
-        self.eps, self.plus_one = eps, plus_one
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = (x.shape[-1],)
-        if self.plus_one:  # Qwen3.5: (x * (1 + w)) computed in fp32
-            w = self.__dict__.get("_w_eff")
-            if w is None:
-                w = 1.0 + self.weight.float()
-            return F.rms_norm(x.float(), d, w, self.eps).type_as(x)
-        return self.weight * F.rms_norm(x.float(), d, None, self.eps).to(x.dtype)  # Qwen3: cast, then scale
-
-    def prepare(self):
-        """Precompute (1 + w) in fp32 once (not a parameter: not saved, not loaded)."""
-        if self.plus_one:
-            self.__dict__["_w_eff"] = 1.0 + self.weight.detach().float()
-
-
-class GatedRMSNorm(nn.Module):
-    """GDN output norm: w * norm(x) * silu(z), plain weight."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        xn = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dt)
-        return (self.weight * xn * F.silu(z.float())).to(dt)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        gate, up = F.linear(x, fused(self, "_wgu", self.gate_proj, self.up_proj)).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-def _identity(x):
-    return x
-
-
-def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
-    """One weight for several projections of the same input (one GEMM instead of several).
-
-    The linears' weights become views into the fused tensor, so state_dict and loading still
-    see the checkpoint's names and no memory is duplicated.
-    """
-    w = torch.cat([lin.weight.detach() for lin in linears])
-    o = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(w[o : o + n], requires_grad=False)
-        o += n
-    return w
-
-
-def fused(module: nn.Module, name: str, *linears: nn.Linear):
-    """The fused weight `name` of `module`, built on first use (kept out of parameters)."""
-    w = module.__dict__.get(name)
-    if w is None or w.device != linears[0].weight.device:
-        w = module.__dict__[name] = fuse_linears(*linears)
-    return w
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, hd]; cos/sin: [T, rd] (NeoX halves) applied to the first rd dims."""
-    rd = cos.shape[-1]
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    xr, xp = x[..., :rd], x[..., rd:]
-    return torch.cat([xr * cos + rotate_half(xr) * sin, xp], dim=-1)
+from ddtree.options import Options
+from ddtree.model.layers import MLP, RMSNorm, GatedRMSNorm, _identity, apply_rope, compiled, fused, residual
 
 
 @dataclass
@@ -133,7 +51,7 @@ class Step:
     sin: torch.Tensor
     start: torch.Tensor
     kv_len: int
-    chain: bool = False  # a prefill chunk: GDN layers may use fla's chunk kernel
+    kernels: Kernels = REFERENCE  # the fast paths this device takes (ddtree.ops.dispatch)
 
 
 class Attention(nn.Module):
@@ -150,7 +68,8 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [max_len, kvh, hd], a view of the device's stack
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, cos, sin):
+        """-> q [T, h, hd] (normed, roped), the output gate [T, h*hd] | None, k, v [T, kvh, hd]."""
         T = x.shape[0]
         qkv = F.linear(x, fused(self, "_wqkv", self.q_proj, self.k_proj, self.v_proj))
         q, k, v = qkv.split([self.q_proj.weight.shape[0], self.kvh * self.hd, self.kvh * self.hd], dim=-1)
@@ -159,9 +78,13 @@ class Attention(nn.Module):
             gate = gate.reshape(T, -1)
         else:
             q, gate = q.view(T, self.h, self.hd), None
-        q = apply_rope(self.q_norm(q), s.cos, s.sin)
-        k = apply_rope(self.k_norm(k.reshape(T, self.kvh, self.hd)), s.cos, s.sin)
-        v = v.reshape(T, self.kvh, self.hd)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k.reshape(T, self.kvh, self.hd)), cos, sin)
+        return q, gate, k, v.reshape(T, self.kvh, self.hd)
+
+    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        T = x.shape[0]
+        q, gate, k, v = self._qkv(x, s.cos, s.sin)
         slots = s.start + torch.arange(T, device=x.device)
         self.k_cache.index_copy_(0, slots, k)
         self.v_cache.index_copy_(0, slots, v)
@@ -172,6 +95,18 @@ class Attention(nn.Module):
             q.transpose(0, 1)[None], kk, vv, attn_mask=s.attn_mask[None, None], enable_gqa=self.h != self.kvh
         )  # [1, h, T, hd]
         o = o[0].transpose(0, 1).reshape(T, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    def prefill(self, x: torch.Tensor, c: "Chunk") -> torch.Tensor:
+        """A prefill chunk x [T, hidden] at host offset c.start: its K/V into the cache, causal
+        attention over the prefix and itself through flash-class kernels (no mask tensor)."""
+        T = x.shape[0]
+        q, gate, k, v = self._qkv(x, c.cos, c.sin)
+        self.k_cache[c.start : c.start + T] = k
+        self.v_cache[c.start : c.start + T] = v
+        o = attention.prefill_attention(q, self.k_cache, self.v_cache, c.start).reshape(T, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
@@ -205,7 +140,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None  # [width-1, conv_dim], oldest first (view of group.conv)
         self.rec_state: torch.Tensor | None = None  # [hv, dk, dv] fp32 (view of group.state)
         self.group: GDNGroup | None = None  # stacked state + commit scratch of this device's GDN layers
-        self.wy_bufs = self.ext_buf = self.final_buf = None  # this layer's views of the group's scratch
+        self.wy_bufs = self.ext_buf = None  # this layer's views of the group's scratch
 
     def _consts(self):
         """Per-layer constants computed once: conv weight as fp32 [width, C], -exp(A_log) fp32."""
@@ -245,34 +180,55 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         # No Python side effects and no per-layer ints here: the same compiled code serves every
         # GDN layer (ddtree.model.target.compiled_layer). What a commit needs is in the group's scratch.
-        T = x.shape[0]
-        if T == 1 and not s.chain and triton_gdn.available(x):  # decode step: one fused kernel
-            return self.out_proj(triton_gdn.gdn_step(self, self.in_proj(x).view(-1)).view(1, -1))
-        if not s.chain and triton_gdn.TREE_PROLOGUE and triton_gdn.tree_available(x, T, self.dk):
+        T, kn = x.shape[0], s.kernels
+        if T == 1 and kn.triton:  # decode step: one fused kernel
+            return self.out_proj(gdn_step.gdn_step(self, self.in_proj(x).view(-1)).view(1, -1))
+        if kn.prologue(T, self.dk):
             return self._tree_fused(x, s)  # the whole mixer between the projections in one kernel + the norm
         q, k, v, g, beta, z, ext = self.qkvgb(x, s)
-        if s.chain:  # prefill chunk (fla's kernel on GPU when usable): the commit takes the final state
-            o, final = gdn.chain_final(q, k, v, g, beta, self.rec_state, s.path_mask)
-            self.final_buf.copy_(final)
+        kb, ub, cb = self.wy_bufs
+        scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
+        if kn.tree(T, self.dk):  # one kernel per layer (small trees; ddtree.ops.dispatch)
+            o = gdn_tree.gdn_tree(q, k, v, g, beta, self.rec_state, s.path_mask, scratch, kn.tree_precision)
         else:
-            kb, ub, cb = self.wy_bufs
-            scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
-            if triton_gdn.tree_available(x, T, self.dk):  # one kernel per layer (small trees; see triton_gdn)
-                o = triton_gdn.gdn_tree(q, k, v, g, beta, self.rec_state, s.path_mask, scratch)
-            else:
-                o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=scratch)
+            o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=scratch)
         o = self.norm(o.to(x.dtype), z)  # [T, hv, dv]
         return self.out_proj(o.reshape(T, -1))
 
     def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
-        """A small tree's verify with the prologue inside the tree kernel (triton_gdn.gdn_tree_prologue;
+        """A small tree's verify with the prologue inside the tree kernel (gdn_tree.gdn_tree_prologue;
         twin: the qkvgb + gdn_tree path of forward)."""
         T = x.shape[0]
         proj, ext = self.project(x)
         z = proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
         kb, ub, cb = self.wy_bufs
-        o = triton_gdn.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask,
-                                         (kb[:, :T], ub[:, :T], cb[:, :T]))
+        o = gdn_tree.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask,
+                                       (kb[:, :T], ub[:, :T], cb[:, :T]), s.kernels.tree_precision)
+        o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
+        return self.out_proj(o.reshape(T, -1))
+
+    def prefill(self, x: torch.Tensor, c: "Chunk") -> torch.Tensor:
+        """A prefill chunk x [T, hidden], committed as it goes: the causal conv over [conv_state;
+        the chunk's inputs], the chain recurrence (fla's chunk kernel when usable, else
+        gdn.chain_chunked), and the new conv and recurrent states. No tree scratch is touched, so
+        a chunk can be thousands of tokens."""
+        T = x.shape[0]
+        proj = self.in_proj(x)
+        qkv, z, b, a = proj.split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
+        xc = torch.cat([self.conv_state, qkv])  # [hist + T, C]
+        w = self._consts()[0]  # [width, C] fp32
+        acc = w[0] * xc[:T].float()
+        for j in range(1, self.width):  # row t's window is xc[t .. t + width - 1] (oldest first)
+            acc += w[j] * xc[j : j + T].float()
+        mixed = F.silu(acc).to(x.dtype)  # as gdn.tree_conv rounds
+        self.conv_state.copy_(xc[T:])  # the newest width - 1 inputs
+        kd = self.hk * self.dk
+        qk, v = mixed.split([2 * kd, self.hv * self.dv], dim=-1)
+        qk = gdn.l2norm_qk(qk.view(T, 2, self.hk, self.dk), self.dk).repeat_interleave(self.hv // self.hk, dim=2)
+        g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias, neg_A=self._consts()[1])
+        o, final = gdn.chain_final(qk[:, 0], qk[:, 1], v.view(T, self.hv, self.dv), g, beta, self.rec_state,
+                                   use_fla=c.kernels.fla)
+        self.rec_state.copy_(final)
         o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, -1))
 
@@ -280,15 +236,12 @@ class GatedDeltaNet(nn.Module):
         """Set conv and recurrent state to those after tree node `last` (0-dim device tensor).
 
         Per-layer reference twin of GDNGroup.commit (which does all layers of a device at once)."""
-        T, window, path_mask, chain = self.group.step
+        T, window, path_mask = self.group.step
         ext = self.ext_buf[: self.width - 1 + T]
         rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
         self.conv_state.copy_(ext.index_select(0, rows))
-        if chain:  # a prefill chunk is committed whole: its final state is the state
-            self.rec_state.copy_(self.final_buf)
-        else:
-            kb, ub, cb = (b[:, :T] for b in self.wy_bufs)
-            self.rec_state.copy_(gdn.commit_state(self.rec_state, kb, ub, cb, last, path_mask))
+        kb, ub, cb = (b[:, :T] for b in self.wy_bufs)
+        self.rec_state.copy_(gdn.commit_state(self.rec_state, kb, ub, cb, last, path_mask))
 
 
 class GDNGroup:
@@ -311,14 +264,13 @@ class GDNGroup:
         self.ubuf = torch.zeros(L, m.hv, cap, m.dv, **f32)
         self.cbuf = torch.zeros(L, m.hv, cap, **f32)
         self.ebuf = torch.zeros(L, self.hist + cap, self.C, device=device, dtype=dtype)
-        self.final_states = torch.zeros_like(self.state)  # final states of a prefill chunk
-        # (T, window, path_mask, chain) of the last forward: set by TargetModel.forward
+        # (T, window, path_mask) of the last tree forward: set by TargetModel.forward
         self.step = None
         for j, layer in enumerate(layers):
             layer.group = self
             layer.rec_state, layer.conv_state = self.state[j], self.conv[j]
             layer.wy_bufs = (self.kbuf[j], self.ubuf[j], self.cbuf[j])
-            layer.ext_buf, layer.final_buf = self.ebuf[j], self.final_states[j]
+            layer.ext_buf = self.ebuf[j]
 
     def wy(self, T: int):
         return self.kbuf[:, :, :T], self.ubuf[:, :, :T], self.cbuf[:, :, :T]
@@ -326,19 +278,15 @@ class GDNGroup:
     def ext(self, T: int):
         return self.ebuf[:, : self.hist + T]
 
-    def commit(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor):
+    def commit(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor, kernels: Kernels = REFERENCE):
         """State after tree node last = path_nodes[n_nodes - 1] ([P] / 0-dim, on the device)."""
-        T, window, path_mask, chain = self.step
-        if triton_gdn.available(self.state) and not chain:  # two kernels: the state pass (path rows only), the conv rows
-            triton_gdn.gdn_commit_(self.state, *self.wy(T), path_nodes, n_nodes)
-            triton_gdn.conv_commit_(self.conv, self.ext(T), window, path_nodes, n_nodes)
+        T, window, path_mask = self.step
+        if kernels.triton:  # two kernels: the state pass (path rows only), the conv rows
+            commit_kernels.gdn_commit_(self.state, *self.wy(T), path_nodes, n_nodes)
+            commit_kernels.conv_commit_(self.conv, self.ext(T), window, path_nodes, n_nodes)
             return
         last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
-        if chain:  # a prefill chunk is committed whole: its final state is the state
-            self.state.copy_(self.final_states)
-        else:
-            K, U, C = self.wy(T)
-            gdn.commit_states_(self.state, K, U, C, last, path_mask)
+        gdn.commit_states_(self.state, *self.wy(T), last, path_mask)
         rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
         self.conv.copy_(self.ext(T).index_select(1, rows))
 
@@ -358,7 +306,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_plus_one)
-        self.reduce = _identity  # ddtree.parallel.tp installs an all-reduce here
+        self.reduce = _identity  # ddtree.parallel installs an all-reduce here
 
     @property
     def mixer(self):
@@ -369,13 +317,19 @@ class DecoderLayer(nn.Module):
         x = residual(x, self.reduce(self.mixer(self.input_layernorm(x), s)))
         return residual(x, self.reduce(self.mlp(self.post_attention_layernorm(x))))
 
+    def prefill(self, x: torch.Tensor, c: "Chunk") -> torch.Tensor:
+        x = residual(x, self.reduce(self.mixer.prefill(self.input_layernorm(x), c)))
+        return residual(x, self.reduce(self.mlp(self.post_attention_layernorm(x))))
 
-def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x + y, written so that inductor does not fold the add into y's GEMM (a cuBLAS addmm with
-    beta = 1): that needs a copy of x into the output first, one more kernel per residual than
-    the add fused into the next norm, and it rounds once where the eager model rounds twice. The
-    unsqueezes keep the add from matching inductor's mm + add pattern; eager, they are free views."""
-    return (x[None] + y[None])[0]
+
+@dataclass
+class Chunk:
+    """A prefill chunk's inputs shared by all layers of a device: host offset, rope rows, kernels."""
+
+    start: int
+    cos: torch.Tensor  # [T, rd] model dtype
+    sin: torch.Tensor
+    kernels: Kernels
 
 
 def _mark_dynamic(s: Step) -> None:
@@ -393,27 +347,6 @@ def _mark_dynamic(s: Step) -> None:
 
 def _call_layer(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
     return layer(x, s)
-
-
-_COMPILED: dict = {}
-
-
-def compiled(fn):
-    """`fn` through torch.compile (inductor), made once per function.
-
-    Why: a decode step is otherwise bound by kernel launches (~5000 small kernels per token);
-    inductor fuses the elementwise chains (norms, gates, conv, rope, the T = 1 recurrence) into a
-    few Triton kernels. For `_call_layer` one compiled function serves all layers: layers hold
-    their buffers as tensors (no per-layer ints) and forward has no Python side effects, so
-    dynamo's guards only tell the layer kinds and T = 1 from T > 1 apart (T > 1 and the context
-    length are marked dynamic up front: `_mark_dynamic`). The eager functions are the reference
-    twins (tests/test_compile.py, tests/test_gpu.py)."""
-    c = _COMPILED.get(fn)
-    if c is None:
-        cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, 64)  # headroom: other models in the process, drafter kv_len
-        c = _COMPILED[fn] = torch.compile(fn, dynamic=None)
-    return c
 
 
 def _mixer_half(layer: DecoderLayer, x: torch.Tensor, s: Step) -> torch.Tensor:
@@ -455,7 +388,8 @@ class TargetModel(nn.Module):
         self.layer_devices: list[torch.device] = []
         self.max_len = 0
         self._rope: dict = {}
-        self.gather_logits = _identity  # ddtree.parallel.tp installs a vocab all-gather here (vocab-parallel lm_head)
+        self.gather_logits = _identity  # ddtree.parallel installs a vocab all-gather here (vocab-parallel lm_head)
+        self.kernels: dict[torch.device, Kernels] = {}  # per device: its fast paths (use)
         self.compile_layers = False  # run decoder layers through torch.compile (see compiled_layer)
 
     # ------------------------------------------------------------------ placement and state
@@ -494,7 +428,13 @@ class TargetModel(nn.Module):
                     att.k_cache, att.v_cache = kc[j], vc[j]
                 self.kv_stacks[dev] = (kc, vc)
         self._rope = {d: rope_tables(self.cfg, max_len, d) for d in set(self.layer_devices)}
+        if not self.kernels:  # the default fast paths until a Decoder sets its options (use)
+            self.use(Options())
         self.prepare()
+
+    def use(self, options: Options):
+        """Take the fast paths `options` allows on each of this model's devices."""
+        self.kernels = {d: resolve(options, d) for d in dict.fromkeys(self.layer_devices + [self.out_device])}
 
     def prepare(self):
         """Inference-time constants derived from the weights: fused projection weights (views,
@@ -534,6 +474,7 @@ class TargetModel(nn.Module):
             sin=sin[positions].to(self.dtype),
             start=start,
             kv_len=kv_len,
+            kernels=self.kernels.get(device, REFERENCE),
         )
 
     @torch.no_grad()
@@ -547,7 +488,6 @@ class TargetModel(nn.Module):
         kv_len: int,
         logit_rows: torch.Tensor | None = None,
         want_taps: bool = True,
-        chain: bool = False,
     ):
         """tokens/positions/parents [T] long, path_mask [T, T] bool, start 0-dim long: all on self.device.
 
@@ -560,16 +500,15 @@ class TargetModel(nn.Module):
             if dev not in steps:
                 args = [t.to(dev, non_blocking=True) for t in (positions, path_mask, parents, start)]
                 st = steps[dev] = self.make_step(*args, kv_len, dev)
-                st.chain = chain
                 if fast:
                     _mark_dynamic(st)
                 if dev in self.gdn_groups:  # what the commit will need
-                    self.gdn_groups[dev].step = (positions.shape[0], st.window, st.path_mask, chain)
+                    self.gdn_groups[dev].step = (positions.shape[0], st.window, st.path_mask)
             return steps[dev]
 
         # Tree and decode forwards go through the compiled layer when enabled (fewer, fused kernels);
-        # prefill chunks stay eager (they may use fla's kernels, and their shapes vary).
-        fast = self.compile_layers and not chain
+        # prefill chunks (TargetModel.prefill) stay eager: their shapes vary.
+        fast = self.compile_layers
         x = self.embed_tokens(tokens)
         if fast and x.shape[0] > 1:
             torch._dynamo.maybe_mark_dynamic(x, 0)
@@ -596,10 +535,11 @@ class TargetModel(nn.Module):
         """
         for dev in dict.fromkeys(self.layer_devices):
             p, s0, n_ = (t.to(dev, non_blocking=True) for t in (path_nodes, start, n_nodes))
+            kn = self.kernels.get(dev, REFERENCE)
             if dev in self.gdn_groups:
-                self.gdn_groups[dev].commit(p, n_)
-            if dev in self.kv_stacks and triton_gdn.available(p):
-                triton_gdn.kv_commit_(*self.kv_stacks[dev], p, s0)  # one kernel for all layers' K and V
+                self.gdn_groups[dev].commit(p, n_, kn)
+            if dev in self.kv_stacks and kn.triton:
+                commit_kernels.kv_commit_(*self.kv_stacks[dev], p, s0)  # one kernel for all layers' K and V
             elif dev in self.kv_stacks:
                 src = s0 + p
                 dst = s0 + torch.arange(p.shape[0], device=dev)
@@ -618,32 +558,57 @@ class TargetModel(nn.Module):
                 layer.self_attn.commit(p, s0)
 
     # ------------------------------------------------------------------ convenience (host-driven)
-    @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, start: int = 0, chunk: int = 64, want_taps: bool = True):
-        """Run `tokens` [T] as a chain from committed length `start`; commit all of them.
+    def prefill_chunk(self, free_bytes: int | None = None) -> int:
+        """Tokens per prefill forward: as many as ~a quarter of the free memory holds in the
+        activations of one layer (bounded to 256..8192; 4096 on a GPU when free_bytes is unknown,
+        512 on the CPU)."""
+        if self.device.type != "cuda":
+            return 512
+        if free_bytes is None:
+            free_bytes = torch.cuda.mem_get_info(self.device)[0]
+        c = self.cfg
+        # per token, fp32 worst case: MLP gate/up/act, the GDN projection, conv and recurrence inputs, logits-free
+        per_token = 4 * (3 * c.intermediate_size + 3 * max(c.gdn_conv_dim, 1) + 4 * c.hidden_size
+                         + 3 * c.num_heads * c.head_dim)
+        return int(max(256, min(8192, free_bytes // 4 // per_token)) // 256 * 256)
 
-        Returns the last row's logits [vocab] and taps [T, taps*hidden] (or None).
-        """
-        dev = self.device
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, start: int = 0, chunk: int | None = None, want_taps: bool = True,
+                on_taps=None):
+        """Run `tokens` [N] as a chain from committed length `start` and commit all of them, `chunk`
+        tokens per forward (default: prefill_chunk()). on_taps(taps [T, taps*hidden]) receives each
+        chunk's tap rows (the drafter's context); without it they are returned, concatenated.
+        -> (the last row's logits [vocab], taps [N, taps*hidden] | None)."""
+        chunk = chunk or self.prefill_chunk()
         taps, logits = [], None
-        tril = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()
-        chunk = min(chunk, self.tree_capacity)
-        tril = tril[:chunk, :chunk]
+        want = want_taps and bool(self.tap_layers)
         for s0 in range(0, tokens.shape[0], chunk):
-            t = tokens[s0 : s0 + chunk].to(dev)
-            T = t.shape[0]
-            pos = start + s0 + torch.arange(T, device=dev)
-            parents = torch.arange(T, device=dev) - 1
-            st = torch.tensor(start + s0, device=dev)
-            logits, tap = self.forward(
-                t, pos, tril[:T, :T], parents, st, start + s0 + T,
-                logit_rows=torch.tensor([T - 1], device=dev), want_taps=want_taps and bool(self.tap_layers),
-                chain=True,
-            )
-            self.commit(torch.arange(T, device=dev), torch.tensor(T, device=dev), st)
+            t = tokens[s0 : s0 + chunk].to(self.device)
+            logits, tap = self._prefill_chunk(t, start + s0, want)
             if tap is not None:
-                taps.append(tap)
-        return logits[0], (torch.cat(taps) if taps else None)
+                on_taps(tap) if on_taps is not None else taps.append(tap)
+        return logits, (torch.cat(taps) if taps else None)
+
+    def _prefill_chunk(self, tokens: torch.Tensor, start: int, want_taps: bool):
+        """One chunk through every layer (eager: its shapes vary), committed. -> (last logits, taps)."""
+        T = tokens.shape[0]
+        chunks: dict = {}
+        x = self.embed_tokens(tokens)
+        taps = []
+        for i, (layer, dev) in enumerate(zip(self.layers, self.layer_devices)):
+            if dev not in chunks:
+                cos, sin = self._rope[dev]
+                chunks[dev] = Chunk(start, cos[start : start + T].to(self.dtype), sin[start : start + T].to(self.dtype),
+                                    self.kernels.get(dev, REFERENCE))
+            if x.device != dev:
+                x = x.to(dev, non_blocking=True)
+            x = layer.prefill(x, chunks[dev])
+            if want_taps and i in self.tap_layers:
+                taps.append(x)
+        last = x[-1:].to(self.out_device, non_blocking=True)
+        logits = self.gather_logits(self.lm_head(self.norm(last)))[0]
+        tap = torch.cat([t.to(self.out_device, non_blocking=True) for t in taps], -1) if taps else None
+        return logits, tap
 
     @torch.no_grad()
     def forward_chain(self, tokens: torch.Tensor, start: int):

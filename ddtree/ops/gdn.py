@@ -201,11 +201,31 @@ def conv_reference(ext: torch.Tensor, parents: torch.Tensor, weight: torch.Tenso
     return torch.stack(out).to(ext.dtype)
 
 
-def chain_final(q, k, v, g, beta, S0, path_mask):
-    """A chain (prefill chunk): outputs and the final state, through fla when it is usable, else
-    tree_wy over the lower-triangular path_mask. -> (o [T, H, dv] fp32, final [H, dk, dv] fp32)."""
-    r = fla_chain(q, k, v, g, beta, S0)
-    return r if r is not None else _chain_wy(q, k, v, g, beta, S0, path_mask)
+def chain_final(q, k, v, g, beta, S0, use_fla: bool = False, chunk: int = 64):
+    """A chain (a prefill chunk of T tokens): outputs and the final state, through fla's chunk
+    kernel when `use_fla` and it is usable (ddtree.ops.fla), else `chain_chunked`.
+    -> (o [T, H, dv] fp32, final [H, dk, dv] fp32)."""
+    if use_fla:
+        from ddtree.ops.fla import fla_chain
+
+        r = fla_chain(q, k, v, g, beta, S0)
+        if r is not None:
+            return r
+    return chain_chunked(q, k, v, g, beta, S0, chunk)
+
+
+def chain_chunked(q, k, v, g, beta, S0, chunk: int = 64):
+    """A chain in chunks of `chunk` tokens: tree_wy over each chunk's lower-triangular mask, the
+    state carried from chunk to chunk (fla's chunk algorithm in torch ops; memory O(H chunk^2),
+    not O(H T^2)). Shapes as tree_wy. -> (o [T, H, dv] fp32, final [H, dk, dv] fp32)."""
+    T = q.shape[0]
+    tril = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    outs, S = [], S0.float()
+    for a in range(0, T, chunk):
+        b = min(a + chunk, T)
+        o, S = _chain_wy(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], S, tril[: b - a, : b - a])
+        outs.append(o)
+    return torch.cat(outs), S
 
 
 def _chain_wy(q, k, v, g, beta, S0, path_mask):
@@ -213,56 +233,3 @@ def _chain_wy(q, k, v, g, beta, S0, path_mask):
     T = q.shape[0]
     o, (kk, U, c) = tree_wy(q, k, v, g, beta, S0, path_mask)
     return o, commit_state(S0, kk, U, c, torch.full((), T - 1, dtype=torch.long, device=q.device), path_mask)
-
-
-# ----------------------------------------------------------------------------- fla (optional)
-_FLA = {"fn": None, "off": False, "ok": {}}  # ok: dtype -> passed the self-check
-
-
-def fla_chain(q, k, v, g, beta, S0):
-    """Chain (prefill) outputs and final state through flash-linear-attention's chunk kernel.
-
-    Used only on CUDA when fla is importable (DDTREE_NO_FLA=1 turns it off); fla has no tree
-    kernel, so trees always take tree_wy. The first call per model dtype is checked against
-    tree_wy on the same inputs; a mismatch turns fla off for that dtype, an error for the process.
-    Shapes as tree_wy; returns (o [T, H, dv] fp32, final state [H, dk, dv] fp32) or None.
-    """
-    import os
-
-    if (_FLA["off"] or not q.is_cuda or os.environ.get("DDTREE_NO_FLA") == "1"
-            or _FLA["ok"].get(v.dtype) is False):
-        return None
-    if _FLA["fn"] is None:
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        except Exception:
-            _FLA["off"] = True
-            return None
-        _FLA["fn"] = chunk_gated_delta_rule
-    try:
-        with torch.cuda.device(q.device):  # Triton launches on the current device: make it q's
-            o, final = _FLA["fn"](q.float()[None], k.float()[None], v.float()[None], g.float()[None],
-                                  beta.float()[None], scale=1.0, initial_state=S0[None].float(), output_final_state=True)
-        o, final = o[0].float(), final[0].float()
-    except Exception as e:  # an fla / Triton version that does not run here: fall back, once
-        from loguru import logger
-
-        logger.warning(f"flash-linear-attention failed ({type(e).__name__}: {e}); using the torch GDN path")
-        _FLA["off"] = True
-        return None
-    if v.dtype not in _FLA["ok"]:
-        T = q.shape[0]
-        ref_o, ref_S = _chain_wy(q, k, v, g, beta, S0, torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
-        err = max(float((o - ref_o).abs().max() / ref_o.abs().max().clamp_min(1e-30)),
-                  float((final - ref_S).abs().max() / ref_S.abs().max().clamp_min(1e-30)))
-        # fp32 dots inside fla's kernels run as TF32: ~1e-3 off. Accept that where the model's own
-        # values are coarser anyway (half of bf16/fp16 eps); demand 1e-3 of a float32 model.
-        tol = 1e-3 if v.dtype == torch.float32 else max(1e-3, torch.finfo(v.dtype).eps / 2)
-        _FLA["ok"][v.dtype] = err < tol
-        if not err < tol:
-            from loguru import logger
-
-            logger.info(f"flash-linear-attention is {err:.2g} off the torch GDN path in {v.dtype} (TF32 dots; "
-                        f"tolerance {tol:.1g}); using the torch path for this dtype")
-            return ref_o, ref_S
-    return o, final

@@ -21,18 +21,6 @@ except Exception:  # triton is optional: the torch paths are complete
     triton = tl = None
 
 
-# Read once at import, not per call: the check runs inside compiled layers.
-ENABLED = triton is not None and os.environ.get("DDTREE_NO_TRITON") != "1"
-# Tests set it (or DDTREE_TRITON_ON_CPU=1, for worker processes): CPU forwards and commits then take
-# these kernels too, under the interpreter.
-INTERPRET_ON_CPU = os.environ.get("DDTREE_TRITON_ON_CPU") == "1"
-
-
-def available(t: torch.Tensor) -> bool:
-    """Fast path for tensors on this device? (CUDA, triton importable, not turned off)."""
-    return ENABLED and (t.is_cuda or INTERPRET_ON_CPU)
-
-
 _JIT: dict = {}  # (kernel, interpret) -> jitted; the CUDA ones are made at import (see the end)
 
 

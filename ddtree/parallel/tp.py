@@ -367,8 +367,12 @@ def random_drafter(raw: dict, target, device, dtype: torch.dtype, max_len: int, 
 
 
 def _decoder_kw(opts: dict) -> dict:
-    """Decoder options passed through only when given (use_graphs: False = eager on CUDA)."""
-    return {k: opts[k] for k in ("use_graphs", "compile") if opts.get(k) is not None}
+    """Decoder arguments of a worker: the engine switches from its environment (inherited from the
+    parent), `compile` and `use_graphs` (False = eager on CUDA) when the caller gives them."""
+    from ddtree.options import Options
+
+    kw = {k: opts[k] for k in ("use_graphs", "compile") if opts.get(k) is not None}
+    return dict(kw, options=Options.from_env())
 
 
 def bench_worker(rank: int, world: int, device, target_raw: dict, drafter_raw: dict | None, dtype, jobs: list[dict],

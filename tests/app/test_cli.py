@@ -230,10 +230,10 @@ def test_tp_without_module_is_one_line(monkeypatch):
     """--tp N when ddtree.parallel.tp is absent: one line, exit 2."""
     import sys
 
-    import ddtree
+    import ddtree.parallel
 
-    monkeypatch.setitem(sys.modules, "ddtree.parallel.tp", None)  # makes `from ddtree import tp` fail
-    monkeypatch.delattr(ddtree, "tp", raising=False)
+    monkeypatch.setitem(sys.modules, "ddtree.parallel.tp", None)  # makes `from ddtree.parallel import tp` fail
+    monkeypatch.delattr(ddtree.parallel, "tp", raising=False)
     r = invoke("generate", "--target", REPO / "nope", "--tp", "2", "hi")
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, r.stdout)

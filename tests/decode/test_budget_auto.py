@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ddtree.decode.decoder import AUTO_BUDGETS, BudgetChooser
+from ddtree.decode.budget import AUTO_BUDGETS, BudgetChooser
 from ddtree.model.synthetic import build_random_pair
 
 
@@ -54,20 +54,20 @@ def test_auto_rounds_ahead_equal_host_loop_under_forced_switches(kind, monkeypat
     graph takes the chosen prefix) against the host-tree round loop, with the chooser forced to
     cycle through every budget (a switch each round, in both directions): the same tokens and
     per-round records (tree size, depth, accepted ranks), greedy and sampled, with a stop token."""
+    from ddtree.decode.round import Pipeline
     from ddtree.decode.sampling import SamplingParams
-    from helpers import force_budget_cycle
+    from helpers import AUTO_CYCLE, forced_chooser
 
-    cycle = force_budget_cycle(monkeypatch)
-    from ddtree.decode.decoder import Decoder
-
+    cycle = AUTO_CYCLE
     ahead_calls = []
-    real = Decoder._ahead_rounds
-    monkeypatch.setattr(Decoder, "_ahead_rounds", lambda self, *a: ahead_calls.append(1) or real(self, *a))
+    real = Pipeline.run
+    monkeypatch.setattr(Pipeline, "run", lambda self, *a: ahead_calls.append(1) or real(self, *a))  # a spy
     dec, _ = build_random_pair(kind, seed=7)
+    dec.chooser_class = forced_chooser(cycle)
     prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
     runs = {}
     for ahead in (True, False):
-        dec.rounds_ahead = ahead
+        dec.options = dec.options.replace(host_rounds=not ahead)
         got = []
         for sp in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)):
             rec = dec.generate(prompt, "ddtree", budget="auto", sampling=sp, max_new_tokens=40, seed=3)
@@ -76,8 +76,8 @@ def test_auto_rounds_ahead_equal_host_loop_under_forced_switches(kind, monkeypat
         stop = got[0][0][9]
         got.append(dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=40, stop_ids={stop}).token_ids)
         runs[ahead] = got
-        assert len(ahead_calls) == 3  # the ahead runs went through _ahead_rounds; the host-loop runs did not
-    dec.rounds_ahead = True
+        assert len(ahead_calls) == 3  # the ahead runs went through the pipeline; the host-loop runs did not
+    dec.options = dec.options.replace(host_rounds=False)
     assert [r[0] for r in runs[True][0][1]][: len(cycle)] == [b for b in cycle]
     assert runs[True] == runs[False]
     ar = dec.generate(prompt, "ar", max_new_tokens=40).token_ids
@@ -103,7 +103,7 @@ def test_staged_tree_follows_the_choice_and_climbs():
     """Rounds ahead, auto stages the tree it chose (not the largest), one budget up in two
     consecutive rounds of every CLIMB_EVERY (so the next choice can take the bigger tree), and
     after plain steps the last tree budget chosen; an E_q curve only offers what the staged tree covers."""
-    from ddtree.decode.decoder import CLIMB_EVERY
+    from ddtree.decode.budget import CLIMB_EVERY
 
     ch = BudgetChooser({4: 1.0, 8: 1.0, 15: 1.0, 32: 1.0, 64: 1.0}, plain_ms=0.5)
     assert ch.build_for(0, 5) == 15  # no tree chosen yet: the chain's size
@@ -116,17 +116,15 @@ def test_staged_tree_follows_the_choice_and_climbs():
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "dense"])
-def test_auto_plain_steps_are_exact(kind, monkeypatch):
+def test_auto_plain_steps_are_exact(kind):
     """--budget auto rounds ahead with plain steps forced in (runs of them, a probe that drafts
     after PLAIN_PROBE of them, and switches to trees and back): greedy tokens equal ar's, plain
     rounds are recorded as tree size 0, and trees follow only a step that drafted."""
-    from ddtree.decode import decoder as decoding
+    from helpers import forced_chooser
 
-    from helpers import force_budget_cycle
-
-    monkeypatch.setattr(decoding, "PLAIN_PROBE", 3)
-    cycle = force_budget_cycle(monkeypatch, [8, 0, 0, 0, 0, 32, 0, 15, 0, 0, 0, 0, 0, 4])
+    cycle = [8, 0, 0, 0, 0, 32, 0, 15, 0, 0, 0, 0, 0, 4]
     dec, _ = build_random_pair(kind, seed=7)
+    dec.chooser_class = forced_chooser(cycle, probe_every=3)
     prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
     ar = dec.generate(prompt, "ar", max_new_tokens=48).token_ids
     rec = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=48)

@@ -418,9 +418,9 @@ def test_sampling_is_reproducible_with_a_seed(hybrid0):
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "dense"])
-def test_ar_launch_ahead_equals_round_loop(kind, monkeypatch):
-    """`ar` queues step r + 1 before reading step r (Decoder._ar_rounds); its reference twin is the
-    round loop the other methods use (pipeline_ar=False): same tokens, greedy and sampled with a
+def test_ar_launch_ahead_equals_round_loop(kind):
+    """`ar` in the pipeline queues step r + 1 before reading step r (ddtree.decode.round); its
+    reference twin is the host-tree loop (host_rounds): same tokens, greedy and sampled with a
     seed, with a stop token mid-way and at every max_new_tokens."""
     from ddtree.decode.sampling import SamplingParams
 
@@ -428,7 +428,7 @@ def test_ar_launch_ahead_equals_round_loop(kind, monkeypatch):
     prompt = _prompt(4, 9)
     runs = {}
     for ahead in (True, False):
-        dec.pipeline_ar = ahead
+        dec.options = dec.options.replace(host_rounds=not ahead)
         greedy = dec.generate(prompt, "ar", max_new_tokens=30)
         sampled = dec.generate(prompt, "ar", sampling=SamplingParams(temperature=1.0), max_new_tokens=30, seed=3)
         i, stop = _first_new_token_at(greedy.token_ids, 12)
@@ -438,14 +438,14 @@ def test_ar_launch_ahead_equals_round_loop(kind, monkeypatch):
         short = [dec.generate(prompt, "ar", max_new_tokens=n).token_ids for n in (1, 2, 3)]
         _check_records(greedy, "ar", 1)
         runs[ahead] = (greedy.token_ids, sampled.token_ids, stopped.token_ids, short, len(greedy.rounds))
-    dec.pipeline_ar = True
+    dec.options = dec.options.replace(host_rounds=False)
     assert runs[True] == runs[False]
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "dense"])
 def test_rounds_ahead_equal_host_tree_loop(kind):
     """dflash / ddtree with the tree built on the device and round r + 1 queued before round r is
-    read (Decoder._ahead_rounds) against the host-tree round loop (rounds_ahead=False): the same
+    read (ddtree.decode.round) against the host-tree round loop (host_rounds): the same
     tokens and per-round records, greedy and sampled with a seed, with a stop token and short
     max_new_tokens; and a tree size shared by a chain (block 16 / budget 15) cannot leak shapes."""
     from ddtree.decode.sampling import SamplingParams
@@ -455,7 +455,7 @@ def test_rounds_ahead_equal_host_tree_loop(kind):
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     runs = {}
     for ahead in (True, False):
-        dec.rounds_ahead = ahead
+        dec.options = dec.options.replace(host_rounds=not ahead)
         got = []
         for method, budget in (("dflash", None), ("ddtree", 4), ("ddtree", dec.block_size - 1), ("ddtree", 32)):
             for sampling in (SamplingParams(), sp):
@@ -470,7 +470,7 @@ def test_rounds_ahead_equal_host_tree_loop(kind):
             assert rec.token_ids == greedy[: i + 1] and [t for c in chunks for t in c] == rec.token_ids
             got.append([dec.generate(prompt, method, budget=budget or 8, max_new_tokens=n).token_ids for n in (1, 2, 5)])
         runs[ahead] = got
-    dec.rounds_ahead = True
+    dec.options = dec.options.replace(host_rounds=False)
     assert runs[True] == runs[False]
 
 

@@ -1,14 +1,18 @@
 """What CUDA-graph capture needs from a round, checked on CPU.
 
 Capturing a graph first runs its function once eagerly (warm-up), restores the state from
-`Decoder._snapshot`, and then replays the graph: every piece of a round must therefore give the
+`GraphRunner.snapshot` (over `Decoder._mutable`), and then replays the graph: every piece of a round must therefore give the
 same result when run twice around a snapshot/restore. The K/V commit is not idempotent by
 itself (it reads slots its own first run overwrote), so the snapshot must cover them.
 """
 
 import torch
 
-from ddtree.decode.decoder import Decoder, _bucket
+from ddtree.decode.budget import Chain, Plan
+from ddtree.decode.decoder import Decoder
+from ddtree.decode.graphs import HostCommitKey, HostDraftKey, StepKey, VerifyKey, bucket
+from ddtree.decode.reference import host_draft
+from ddtree.decode.round import Pipeline
 from ddtree.decode.sampling import SamplingParams
 from ddtree.model.synthetic import build_random_pair
 from ddtree.ops.tree import Tree, ancestor_mask_from_parents
@@ -36,28 +40,28 @@ def test_round_pieces_repeat_exactly_around_snapshot_restore():
     depths = torch.tensor([0, 1, 2, 1, 2, 3, 2])
     tree = Tree(torch.tensor([9, 10, 11, 12, 13, 14, 15]), par, depths, torch.zeros(7, dtype=torch.long),
                 ancestor_mask_from_parents(par))
-    slot = dec._slot(7)
+    slot = dec.slot(7)
     slot.load(tree)
-    kv = _bucket(start + 7, dec.bucket)
-    dec._verify(slot, kv, True, True)
+    kv = bucket(start + 7, dec.bucket)
+    dec._verify(slot, VerifyKey(7, kv, True, True))
     slot.choice.copy_(torch.tensor([12, 0, 0, 15, 0, 0, 0]))  # root picks 12 (node 3), node 3 picks 15 (node 6)
     P = 4
-    once = dec._walk(slot, P)
+    once = dec.walk(slot, P)
     assert once[0].tolist() == [0, 3, 6, 6] and int(once[1]) == 3
-    dec._commit(P)
+    dec.commit(*once[:2])
     ref = _state(dec, start + 8)
     # reference done; now redo from scratch: verify, snapshot, commit, restore, commit
     dec2, _ = build_random_pair("hybrid", seed=4)
     dec2.generate([3, 4, 5, 6, 7, 8], "ar", max_new_tokens=2)
-    slot2 = dec2._slot(7)
+    slot2 = dec2.slot(7)
     slot2.load(tree)
-    dec2._verify(slot2, kv, True, True)
+    dec2._verify(slot2, VerifyKey(7, kv, True, True))
     slot2.choice.copy_(torch.tensor([12, 0, 0, 15, 0, 0, 0]))
-    dec2._walk(slot2, P)
-    snap = dec2._snapshot()
-    dec2._commit(P)
-    dec2._restore(snap)
-    dec2._commit(P)
+    path, n, _ = dec2.walk(slot2, P)
+    snap = dec2.graphs.snapshot()
+    dec2.commit(path, n)
+    dec2.graphs.restore(snap)
+    dec2.commit(path, n)
     for a, b in zip(ref, _state(dec2, start + 8)):
         assert torch.equal(a, b)
 
@@ -67,15 +71,15 @@ def test_draft_piece_repeats_exactly():
     dec.generate([3, 4, 5], "ar", max_new_tokens=2)
     start = int(dec.start_d)
     tree = Tree.chain(torch.tensor([7, 8, 9]))
-    slot = dec._slot(3)
+    slot = dec.slot(3)
     slot.load(tree)
-    kv = _bucket(start + 3, dec.bucket)
-    _, taps = dec._verify(slot, kv, True, True)
-    snap = dec._snapshot()
+    kv = bucket(start + 3, dec.bucket)
+    _, taps = dec._verify(slot, VerifyKey(3, kv, True, True))
+    snap = dec.graphs.snapshot()
     sp = SamplingParams()
-    a = dec._draft(slot, taps, dec.block_size, kv, 4, sp).clone()
-    dec._restore(snap)
-    b = dec._draft(slot, taps, dec.block_size, kv, 4, sp)
+    a = host_draft(dec, slot, taps, dec.block_size, kv, 4, sp).clone()
+    dec.graphs.restore(snap)
+    b = host_draft(dec, slot, taps, dec.block_size, kv, 4, sp)
     assert torch.equal(a, b)
 
 
@@ -90,40 +94,41 @@ def test_commit_uses_its_own_verify_step_under_replay_order():
     tree_a = Tree(torch.arange(20, 29), par, torch.tensor([0, 1, 2, 1, 3, 4, 2, 2, 3]), torch.zeros(9, dtype=torch.long),
                   ancestor_mask_from_parents(par))
     tree_b = Tree.chain(torch.tensor([30, 31, 32, 33, 34]))
-    slot_a, slot_b = dec._slot(9), dec._slot(5)
+    slot_a, slot_b = dec.slot(9), dec.slot(5)
     slot_a.load(tree_a)
     slot_b.load(tree_b)
-    kv = _bucket(start + 9, dec.bucket)
-    key_a, key_b = ("verify", 9, kv, True, False), ("verify", 5, kv, True, False)
+    kv = bucket(start + 9, dec.bucket)
+    key_a, key_b = VerifyKey(9, kv, True, False), VerifyKey(5, kv, True, False)
     P = dec.block_size
+    run, commit_key = dec.graphs.run, HostCommitKey(key_a, P)
 
     def choose_a():  # root -> node 1 -> node 7 -> node 8: a path that is not a prefix of node order
         slot_a.choice.copy_(torch.tensor([21, 27, 0, 0, 0, 0, 0, 28, 0]))
 
-    snap = dec._snapshot()
-    dec._run(key_a, lambda: dec._verify(slot_a, kv, True, False))
+    snap = dec.graphs.snapshot()
+    run(key_a, lambda: dec._verify(slot_a, key_a))
     choose_a()
-    path, n, _ = dec._walk(slot_a, P)
+    path, n, _ = dec.walk(slot_a, P)
     assert path[:4].tolist() == [0, 1, 7, 8] and int(n) == 4
-    dec._run(("commit", key_a, P), lambda: dec._commit(P))
+    run(commit_key, lambda: dec.commit(path, n))
     ref = _state(dec, start + 10)
-    dec._restore(snap)
-    dec._run(key_a, lambda: dec._verify(slot_a, kv, True, False))  # "capture" of a
-    dec._run(key_b, lambda: dec._verify(slot_b, kv, True, False))  # "capture" of b: the last Python verify
+    dec.graphs.restore(snap)
+    run(key_a, lambda: dec._verify(slot_a, key_a))  # "capture" of a
+    run(key_b, lambda: dec._verify(slot_b, key_b))  # "capture" of b: the last Python verify
     groups = dec.target.gdn_groups.values()
     step_b = [g.step for g in groups]
-    dec._verify(slot_a, kv, True, False)  # a "replay" of a: same kernels, no Python bookkeeping ...
+    dec._verify(slot_a, key_a)  # a "replay" of a: same kernels, no Python bookkeeping ...
     for g, st in zip(groups, step_b):
         g.step = st  # ... so the groups still hold b's step
     choose_a()
-    dec._walk(slot_a, P)
-    dec._run(("commit", key_a, P), lambda: dec._commit(P))
+    dec.walk(slot_a, P)
+    run(commit_key, lambda: dec.commit(path, n))
     for a, b in zip(ref, _state(dec, start + 10)):
         assert torch.equal(a, b)
 
 
 def test_graphs_that_commit_inside_use_their_own_verify_step():
-    """The rounds-ahead graph ("ahead": walk + commit + drafter + next tree) and ar's "draft" graph
+    """The pipeline's step (walk + commit + drafter + next tree) and the host loop's ar piece
     (walk + commit) commit inside. Captured while their verify only replays (a new context
     bucket for the drafter, new sampling settings), the groups' `step` still describes the last
     forward run in Python (typically the prefill's last chunk); they must commit with their own
@@ -143,37 +148,41 @@ def test_graphs_that_commit_inside_use_their_own_verify_step():
         else:  # an ar step
             tree_a, choice = Tree.chain(torch.tensor([21])), torch.tensor([40])
         T = tree_a.num_nodes
-        slot_a = dec._slot(T)
-        kv = _bucket(start + 9, dec.bucket)
+        slot_a = dec.slot(T)
+        kv = bucket(start + 9, dec.bucket)
         taps_on = kind == "ahead"
-        key_a = ("verify", T, kv, True, taps_on)
+        key_a = VerifyKey(T, kv, True, taps_on)
         P = dec.block_size if taps_on else 1
+        pipe = Pipeline(dec, Chain(dec.block_size, 8, 8), sp, None, None)
+        plan = Plan(slot=slot_a, into=slot_a, build=8, walk=P, k=8)
+        piece_key = StepKey(key_a, P, P, kv, 8, None, 8, T, 0, "path") if kind == "ahead" else \
+            HostDraftKey(key_a, P, kv, 1, None)
 
         def piece(taps):
             if kind == "ahead":
-                return dec._step_ahead(slot_a, taps, P, kv, 8, sp, 8)
-            return dec._draft(slot_a, None, P, kv, 1, sp)
+                return pipe.step(plan, taps, kv)
+            return host_draft(dec, slot_a, None, P, kv, 1, sp)
 
         def run_a():
             slot_a.load(tree_a)
-            _, taps = dec._run(key_a, lambda: dec._verify(slot_a, kv, True, taps_on))
+            _, taps = dec.graphs.run(key_a, lambda: dec._verify(slot_a, key_a))
             slot_a.choice.copy_(choice)
             return taps
 
-        snap = dec._snapshot()
+        snap = dec.graphs.snapshot()
         piece(run_a())
         upto = int(dec.start_d)  # the committed length: K/V past it is scratch
         ref = _state(dec, upto)
-        dec._restore(snap)
+        dec.graphs.restore(snap)
         run_a()  # "capture" of a's verify
-        n = 5  # then a prefill-like chunk forward (chain, not committed): the last forward in Python
+        n = 5  # then another forward (a 5-node chain, not committed): the last forward in Python
         pos = start + torch.arange(n)
         dec.target.forward(torch.arange(50, 55), pos, torch.ones(n, n, dtype=torch.bool).tril(), torch.arange(n) - 1,
-                           torch.tensor(start), kv, chain=True)
+                           torch.tensor(start), kv)
         step_chain = [g.step for g in dec.target.gdn_groups.values()]
         taps = run_a()  # a "replay" of a's verify: no Python bookkeeping ...
         for g, st in zip(dec.target.gdn_groups.values(), step_chain):
             g.step = st  # ... so the groups still hold the chunk's step
-        dec._run((kind, key_a, P, kv, 8, sp), lambda: piece(taps))
+        dec.graphs.run(piece_key, lambda: piece(taps))
         for x, y in zip(ref, _state(dec, upto)):
             assert torch.equal(x, y), kind

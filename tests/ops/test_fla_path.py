@@ -1,10 +1,12 @@
 """The prefill's fla route (GPU only) commits through its final state; check that plumbing on CPU
 with a torch stand-in for fla's chunk kernel (the GPU test compares the real kernel)."""
 
+import dataclasses
+
 import torch
 
-from ddtree.ops import gdn
 from ddtree.model.synthetic import build_random_target, tiny_hybrid_config
+from ddtree.ops import fla, gdn
 
 
 def _fake_fla(q, k, v, g, beta, S0):
@@ -18,7 +20,8 @@ def test_prefill_through_fla_route_equals_torch_route(monkeypatch):
     b = build_random_target(raw, seed=3)
     toks = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(0))
     la, _ = a.prefill(toks[:100], chunk=32)
-    monkeypatch.setattr(gdn, "fla_chain", _fake_fla)
+    b.kernels = {d: dataclasses.replace(k, fla=True) for d, k in b.kernels.items()}  # the fla route ...
+    monkeypatch.setattr(fla, "fla_chain", _fake_fla)  # ... with a stand-in for the library's kernel
     lb, _ = b.prefill(toks[:100], chunk=32)
     monkeypatch.undo()
     assert (la - lb).abs().max() < 1e-4 * la.abs().max()
@@ -33,4 +36,21 @@ def test_prefill_through_fla_route_equals_torch_route(monkeypatch):
 
 def test_fla_is_not_used_on_cpu():
     q = torch.randn(5, 2, 4)
-    assert gdn.fla_chain(q, q, torch.randn(5, 2, 3), -torch.rand(5, 2), torch.rand(5, 2), torch.zeros(2, 4, 3)) is None
+    assert fla.fla_chain(q, q, torch.randn(5, 2, 3), -torch.rand(5, 2), torch.rand(5, 2), torch.zeros(2, 4, 3)) is None
+
+
+def test_chunked_chain_equals_token_by_token():
+    """chain_chunked (the prefill twin of fla's kernel) against the token-by-token recurrence, for
+    chunk sizes that divide the length and ones that do not."""
+    g = torch.Generator().manual_seed(3)
+    T, H, dk, dv = 150, 3, 8, 6
+    q = gdn.l2norm(torch.randn(T, H, dk, generator=g)) * dk**-0.5
+    k = gdn.l2norm(torch.randn(T, H, dk, generator=g))
+    v = torch.randn(T, H, dv, generator=g)
+    gg, beta = gdn.gdn_gates(torch.randn(T, H, generator=g), torch.randn(T, H, generator=g), torch.zeros(H), torch.zeros(H))
+    S0 = torch.randn(H, dk, dv, generator=g) * 0.3
+    ref_o, ref_S = gdn.chain_recurrent(q, k, v, gg, beta, S0)
+    for chunk in (1, 7, 32, 150, 200):
+        o, S = gdn.chain_chunked(q, k, v, gg, beta, S0, chunk)
+        assert (o - ref_o).abs().max() < 1e-5 * ref_o.abs().max(), chunk
+        assert (S - ref_S).abs().max() < 1e-5 * ref_S.abs().max(), chunk

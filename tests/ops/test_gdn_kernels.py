@@ -1,4 +1,4 @@
-"""The Triton GDN kernels (ddtree.ops.gdn_kernels) against their torch twins: compiled on a GPU, and on
+"""The Triton GDN kernels (ddtree.ops.gdn_step, gdn_tree, commit) against their torch twins: compiled on a GPU, and on
 machines without one under Triton's interpreter on CPU tensors (the same kernel source; the
 interpreter is switched on by tests/conftest.py)."""
 
@@ -9,14 +9,14 @@ import torch
 
 pytest.importorskip("triton", reason="triton not installed (pip install triton): its interpreter runs these on CPU")
 
-from ddtree.ops import gdn
-from ddtree.ops import gdn_kernels as triton_gdn  # noqa: E402
+from ddtree.options import Options  # noqa: E402
+from ddtree.ops import commit, gdn, gdn_tree, triton_util  # noqa: E402
 from ddtree.model.synthetic import build_random_pair, build_random_target, tiny_hybrid_config  # noqa: E402
 from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
 from helpers import MaxErrors, assert_rel, rel_err, tiny_cpu_each_test  # noqa: E402,F401
 
 DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and not triton_gdn.interpreter_on():
+if DEV.type == "cpu" and not triton_util.interpreter_on():
     pytest.skip("TRITON_INTERPRET=1 was not set before triton's import (tests/conftest.py sets it without a GPU)",
                 allow_module_level=True)
 ERR = MaxErrors()
@@ -29,10 +29,8 @@ CONFIGS = {
 }
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setattr(triton_gdn, "ENABLED", True)
-    monkeypatch.setattr(triton_gdn, "INTERPRET_ON_CPU", True)
+FAST = Options(triton_on_cpu=True)  # the kernels (under the interpreter on CPU)
+TORCH = Options(triton=False)  # their torch twins
 
 
 def _one_node_step(model, start: int):
@@ -48,7 +46,7 @@ def _random_inputs(model, trial: int):
             torch.randn(1, model.cfg.hidden_size, generator=g))
 
 
-def _run_step(model, inputs, fast: bool, monkeypatch):
+def _run_step(model, inputs, fast: bool):
     """One decode token through layer 0's GDN mixer, torch path or kernel.
     -> (output, k, U, c scratch at node 0, ext rows)."""
     state, conv, x = inputs
@@ -57,8 +55,7 @@ def _run_step(model, inputs, fast: bool, monkeypatch):
     group.conv.copy_(conv.to(model.dtype))
     for b in (group.kbuf, group.ubuf, group.cbuf, group.ebuf):
         b.fill_(float("nan"))  # what is not written shows up
-    monkeypatch.setattr(triton_gdn, "ENABLED", fast)
-    monkeypatch.setattr(triton_gdn, "INTERPRET_ON_CPU", fast)
+    model.use(FAST if fast else TORCH)
     layer = model.layers[0].linear_attn
     o = layer(x.to(DEV, model.dtype), _one_node_step(model, 7))
     kb, ub, cb = (t[:, :1].clone() for t in layer.wy_bufs)
@@ -66,13 +63,13 @@ def _run_step(model, inputs, fast: bool, monkeypatch):
 
 
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
-def test_step_kernel_matches_torch_path(monkeypatch, cfg):
+def test_step_kernel_matches_torch_path(cfg):
     """float32: output, the commit scratch (k, U, c) and the conv rows equal the torch path's."""
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=4, device=DEV)
     for trial in range(3):
         inputs = _random_inputs(model, trial)
-        ref = _run_step(model, inputs, False, monkeypatch)
-        got = _run_step(model, inputs, True, monkeypatch)
+        ref = _run_step(model, inputs, False)
+        got = _run_step(model, inputs, True)
         for name, a, b in zip(("out", "k", "U", "c", "ext"), got, ref):
             assert not a.isnan().any(), f"{name}: not written"
             ERR.note(f"step {name}", assert_rel(a, b, 1e-5 if name != "ext" else 1e-30, name))
@@ -80,7 +77,7 @@ def test_step_kernel_matches_torch_path(monkeypatch, cfg):
 
 @pytest.mark.skipif(DEV.type != "cuda", reason="bf16 roundings need the GPU: Triton's CPU interpreter truncates to bf16")
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
-def test_step_kernel_bf16_as_close_to_fp32_as_torch_path(monkeypatch, cfg):
+def test_step_kernel_bf16_as_close_to_fp32_as_torch_path(cfg):
     """bfloat16: the kernel rounds where the torch path rounds, so against the same model run in
     float32 it is as accurate as the torch path (mean over trials, within 25%)."""
     raw = tiny_hybrid_config(**CONFIGS[cfg])
@@ -93,9 +90,9 @@ def test_step_kernel_bf16_as_close_to_fp32_as_torch_path(monkeypatch, cfg):
     for trial in range(8):
         inputs = _random_inputs(m16, trial)
         inputs = (inputs[0], inputs[1].to(torch.bfloat16).float(), inputs[2].to(torch.bfloat16).float())
-        truth = _run_step(m32, inputs, False, monkeypatch)[0]
-        e_torch.append(rel_err(_run_step(m16, inputs, False, monkeypatch)[0], truth))
-        e_kernel.append(rel_err(_run_step(m16, inputs, True, monkeypatch)[0], truth))
+        truth = _run_step(m32, inputs, False)[0]
+        e_torch.append(rel_err(_run_step(m16, inputs, False)[0], truth))
+        e_kernel.append(rel_err(_run_step(m16, inputs, True)[0], truth))
     mt, mk = sum(e_torch) / len(e_torch), sum(e_kernel) / len(e_kernel)
     ERR.note("step bf16 kernel vs fp32", mk)
     ERR.note("step bf16 torch vs fp32", mt)
@@ -121,36 +118,34 @@ def test_commit_kernel_matches_commit_states(cfg):
             n = torch.tensor(path.shape[0], device=DEV)
             padded = torch.cat([path, path[-1:].expand(16 - path.shape[0])])  # as the walk pads it
             ref = gdn.commit_states_(S0.clone(), *group.wy(T), torch.tensor(node, device=DEV), mask)
-            got = triton_gdn.gdn_commit_(S0.clone(), *group.wy(T), padded, n)
+            got = commit.gdn_commit_(S0.clone(), *group.wy(T), padded, n)
             ERR.note("commit", assert_rel(got, ref, 1e-6, f"T={T} node={node}"))
 
 
 @pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", "auto")])
-def test_decoding_through_the_kernels_equals_torch_path(interpret, monkeypatch, method, budget):
+def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, budget):
     """Whole decoders: greedy tokens with the kernels (AR steps fused, every commit through the
     kernel, ddtree's trees built by the tree kernel, every walk in the walk kernel) equal the torch path's."""
     from ddtree.decode import decoder as decoding
+    from helpers import forced_chooser
 
-    if budget == "auto":  # on a GPU the timed choice may be plain steps throughout: force trees in
-        from helpers import force_budget_cycle
-
-        force_budget_cycle(monkeypatch)
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     toks, kernel_trees, kernel_walks = {}, [], []
-    real, real_walk = decoding.build_tree_kernel, decoding.walk_kernel
+    real, real_walk = decoding.build_tree_kernel, decoding.walk_kernel  # spies: which kernels ran
     monkeypatch.setattr(decoding, "build_tree_kernel", lambda *a, **k: kernel_trees.append(1) or real(*a, **k))
     monkeypatch.setattr(decoding, "walk_kernel", lambda *a, **k: kernel_walks.append(1) or real_walk(*a, **k))
     for fast in (True, False):
-        monkeypatch.setattr(triton_gdn, "ENABLED", fast)
-        dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST if fast else TORCH)
+        if budget == "auto":  # on a GPU the timed choice may be plain steps throughout: force trees in
+            dec.chooser_class = forced_chooser()
         toks[fast] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
     assert toks[True] == toks[False]
-    assert bool(kernel_trees) == (method == "ddtree")  # fixed-budget ddtree builds its trees in triton_tree's kernel
-    assert kernel_walks  # every method walks its verified tree in triton_tree's walk kernel
+    assert bool(kernel_trees) == (method == "ddtree")  # ddtree builds its trees in the tree kernel
+    assert kernel_walks  # every method walks its verified tree in the walk kernel
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_tree_kernel_matches_tree_wy(monkeypatch, cfg):
+def test_tree_kernel_matches_tree_wy(cfg):
     """The tree-verify kernel against gdn.tree_wy on random trees of
     2..65 nodes, with the strided q / k / v views the layer passes: outputs and commit scratch."""
     from ddtree.ops.tree import ancestor_mask_from_parents
@@ -169,7 +164,7 @@ def test_tree_kernel_matches_tree_wy(monkeypatch, cfg):
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)
         ref = [t.clone() for t in scratch]
         got_scratch = [torch.zeros_like(t) for t in scratch]
-        o = triton_gdn.gdn_tree(q, k, v, g, beta, S0, mask, got_scratch)
+        o = gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, got_scratch)
         ERR.note("tree verify", assert_rel(o, o_ref, 1e-5, f"T={T}"))
         for a, b in zip(got_scratch, ref):
             ERR.note("tree verify scratch", assert_rel(a, b, 1e-5, f"T={T}"))
@@ -200,43 +195,41 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
         ref = [t.clone() for t in scratch]
         proj = layer.in_proj(x)
         got = [torch.zeros_like(t) for t in scratch]
-        o = triton_gdn.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
+        o = gdn_tree.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
         ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"T={T}"))
         for a, b in zip(got, ref):
             ERR.note("tree prologue scratch", assert_rel(a, b, 1e-5, f"T={T}"))
-        want = layer.forward(x, s)  # the torch prologue (TREE_PROLOGUE off) ...
+        want = layer.forward(x, s)  # the torch prologue (the model's default Kernels on CPU: no kernels) ...
         ERR.note("tree prologue mixer", assert_rel(layer._tree_fused(x, s), want, 1e-5, f"T={T}"))
 
 
 @pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
-def test_decoding_through_the_prologue_kernel_equals_torch_path(interpret, monkeypatch, method, budget):
-    """Whole decoders with every tree verify's GDN layer in the prologue kernel (DDTREE_TREE_PROLOGUE=1):
-    greedy tokens equal the torch path's, and the kernel was used."""
+def test_decoding_through_the_prologue_kernel_equals_torch_path(monkeypatch, method, budget):
+    """Whole decoders with every tree verify's GDN layer in the prologue kernel (tree_prologue up
+    to 128 nodes): greedy tokens equal the torch path's, and the kernel was used."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    calls, real = [], triton_gdn.gdn_tree_prologue
-    monkeypatch.setattr(triton_gdn, "gdn_tree_prologue", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(triton_gdn, "TREE_TILE", 1 << 20)
+    calls, real = [], gdn_tree.gdn_tree_prologue
+    monkeypatch.setattr(gdn_tree, "gdn_tree_prologue", lambda *a: calls.append(1) or real(*a))  # a spy
     toks = {}
     for on in (True, False):
-        monkeypatch.setattr(triton_gdn, "TREE_PROLOGUE", on)
-        monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
-        dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
+        opts = FAST.replace(tree_kernel="on", tree_prologue=128) if on else FAST.replace(tree_kernel="off")
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
         toks[on] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
     assert toks[True] == toks[False] and calls
 
 
 @pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 8)])
-def test_decoding_through_the_tree_kernel_equals_torch_path(interpret, monkeypatch, method, budget):
+def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method, budget):
     """Whole decoders with every tree verify's GDN recurrence in the kernel: greedy tokens
     equal the torch path's (tree_wy), and the kernel was used."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    calls, real = [], triton_gdn.gdn_tree
-    monkeypatch.setattr(triton_gdn, "gdn_tree", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], gdn_tree.gdn_tree
+    monkeypatch.setattr(gdn_tree, "gdn_tree", lambda *a: calls.append(1) or real(*a))  # a spy
     toks = {}
     for on in (True, False):
-        monkeypatch.setattr(triton_gdn, "TREE_MAX_NODES", 128 if on else 0)
-        monkeypatch.setattr(triton_gdn, "TREE_TILE", 1 << 20)  # every size up to 128 nodes
-        dec, _ = build_random_pair("hybrid", seed=3, device=DEV)
+        # every size up to 128 nodes in the kernel (the prologue kernel off: this test is about gdn_tree)
+        opts = FAST.replace(tree_kernel="on" if on else "off", tree_prologue=0)
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
         toks[on] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
     assert toks[True] == toks[False] and calls
 
@@ -259,7 +252,7 @@ def test_kv_commit_kernel_matches_index_copy(P, W):
             dst = start + torch.arange(P, device=DEV)
             c.index_copy_(1, dst, c.index_select(1, start + path))
             ref.append(c)
-        triton_gdn.kv_commit_(k, v, path, start)
+        commit.kv_commit_(k, v, path, start)
         assert torch.equal(k, ref[0]) and torch.equal(v, ref[1])
 
 
@@ -284,9 +277,9 @@ def test_conv_commit_kernel_matches_index_select(T, C):
         path[: n - 1] = torch.randint(0, T, (n - 1,), generator=g_)  # only path[n - 1] may matter
         path, n_d = path.to(DEV), torch.tensor(n, device=DEV)
         ref = ext.index_select(1, window[last, 1:])
-        triton_gdn.conv_commit_(conv, ext, window, path, n_d)
+        commit.conv_commit_(conv, ext, window, path, n_d)
         assert torch.equal(conv, ref), (T, C, trial)
 
 
 def test_report_max_errors():
-    ERR.report("triton_gdn")
+    ERR.report("gdn kernels")

@@ -8,13 +8,13 @@ import torch
 
 pytest.importorskip("triton", reason="triton not installed (pip install triton): its interpreter runs these on CPU")
 
-from ddtree.ops import gdn_kernels as triton_gdn  # noqa: E402
+from ddtree.ops import triton_util  # noqa: E402
 from ddtree.ops.tree import ancestor_mask_from_parents, build_tree, build_tree_device, device_tree_fits  # noqa: E402
-from ddtree.decode.decoder import expected_accepts  # noqa: E402
+from ddtree.decode.budget import expected_accepts  # noqa: E402
 from ddtree.ops.tree_kernel import build_tree_kernel, pruned_pairs, tree_summary  # noqa: E402
 
 DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and not triton_gdn.interpreter_on():
+if DEV.type == "cpu" and not triton_util.interpreter_on():
     pytest.skip("TRITON_INTERPRET=1 was not set before triton's import (tests/conftest.py sets it without a GPU)",
                 allow_module_level=True)
 
@@ -142,33 +142,28 @@ def test_decoder_falls_back_to_torch_when_the_kernel_fails(monkeypatch):
     the first failure is logged and trees are built with the torch twin from then on."""
     from ddtree.decode import decoder as decoding
     from ddtree.model.synthetic import build_random_pair
+    from ddtree.options import Options
 
-    monkeypatch.setattr(triton_gdn, "ENABLED", True)
-    monkeypatch.setattr(triton_gdn, "INTERPRET_ON_CPU", True)
-    monkeypatch.setitem(decoding.TREE_KERNEL, "ok", True)
     calls = []
 
     def broken(*a, **k):
         calls.append(1)
         raise RuntimeError("no kernel for this GPU")
 
-    monkeypatch.setattr(decoding, "build_tree_kernel", broken)
-    monkeypatch.setattr(triton_gdn, "ENABLED", False)  # GDN kernels off: this test is about the tree kernel
-    dec, _ = build_random_pair("hybrid", seed=3)
-    monkeypatch.setattr(decoding.triton_gdn, "available", lambda t: True)
+    monkeypatch.setattr(decoding, "build_tree_kernel", broken)  # a tree kernel that cannot run here
+    dec, _ = build_random_pair("hybrid", seed=3, options=Options(triton_on_cpu=True))
     prompt = list(range(3, 20))
     got = dec.generate(prompt, "ddtree", budget=8, max_new_tokens=20).token_ids
-    assert calls == [1] and decoding.TREE_KERNEL["ok"] is False
+    assert calls == [1] and dec.tree_kernel_ok is False
     monkeypatch.undo()
     assert got == dec.generate(prompt, "ar", max_new_tokens=20).token_ids
 
 
 def test_walk_kernel_equals_walk():
-    """The one-kernel walk against decoding.walk on built trees (chains and one-node trees
+    """The one-kernel walk against its torch twin (ddtree.ops.walk.walk) on built trees (chains and one-node trees
     included) with choices steered into the tree: path, accepted count and bonus, every P."""
-    from ddtree.decode.decoder import walk
     from ddtree.ops.tree import Tree
-    from ddtree.ops.tree_kernel import walk_kernel
+    from ddtree.ops.walk import walk, walk_kernel
 
     g = torch.Generator().manual_seed(4)
     trees = [Tree.chain(torch.tensor([5])), Tree.chain(torch.arange(3, 19))]

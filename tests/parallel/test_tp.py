@@ -247,9 +247,9 @@ def test_tp_compiled_layers_match_single_process(pair_dirs, one_thread):
 def test_tp_triton_kernels_match_single_process(pair_dirs, one_thread, monkeypatch):
     """The Triton GDN step and commit kernels on each rank's half of the GDN heads (run by Triton's
     interpreter in the gloo workers) give the single process's torch-path greedy tokens."""
-    from ddtree.ops import gdn_kernels as triton_gdn
+    from ddtree.ops import triton_util
 
-    if triton_gdn.triton is None or not triton_gdn.interpreter_on():
+    if triton_util.triton is None or not triton_util.interpreter_on():
         pytest.skip("needs triton with TRITON_INTERPRET=1 (tests/conftest.py sets it on machines without a GPU)")
     tdir, ddir, target, drafter = pair_dirs
     dec = Decoder(target, drafter, 512)

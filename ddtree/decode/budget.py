@@ -1,0 +1,284 @@
+"""What each round verifies: the budget policies (plain steps, the chain, a fixed budget, auto).
+
+A policy decides, when round r is queued, which tree its verify reads and what its step builds
+for round r + 1 (`plan`), and reads round r's packet when the host gets it (`read`). The round
+itself (ddtree.decode.round) is the same for all of them:
+
+    policy      verifies                      the step after it builds           packet extra
+    Plain (ar)  the bonus alone (1 node)      nothing: the bonus is the next root  -
+    Chain       the block's chain (B nodes)   the next chain                       next depth
+    Fixed(b)    a best-first tree of b + 1    the next tree of b                   next depth
+    Auto        a prefix of the staged tree   a staged tree (or a plain step)      E_q and depth per prefix
+
+`BudgetChooser` is auto's cost model: expected tokens per millisecond of each budget.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.decode.buffers import RoundOut, Slot
+from ddtree.ops.tree import Tree
+
+AUTO_BUDGETS = (4, 8, 15, 32, 64)  # 15 draft nodes = the block-16 chain's verify size
+AUTO_TOPK = 32  # drafter top-k columns of auto's trees (a 64-node tree rarely needs a 33rd token per position)
+PLAIN_PROBE = 16  # auto: after this many plain steps in a row, one drafts again (a fresh E_q curve)
+PLAIN_PROBE_MAX = 64  # ... and after probes that did not pay, up to this many (doubling)
+CLIMB_EVERY = 8  # auto: two rounds in this many stage a tree one budget above the choice
+
+
+class BudgetChooser:
+    """`--budget auto`: each round, the budget that maximises expected tokens per millisecond.
+
+    Expected tokens of a best-first tree of budget b = 1 + r * E_q(b), where E_q(b) is the sum of
+    the drafter's path probabilities over its first b nodes (the expected accepted length if the
+    drafter were calibrated) and r the observed/predicted acceptance ratio so far. Cost of a
+    round = verify(b + 1), timed once per context bucket, + a fixed part (drafter, commit, host)
+    learnt from the rounds' wall times. The pop order of a best-first tree is the same for every
+    budget, so the tree of budget b is the first b + 1 nodes of the largest one.
+
+    With plain_ms, budget 0 is a candidate too: a plain step (the bonus alone, no drafter), 1
+    token per plain_ms + its own fixed part. It wins where trees cannot pay (a small target whose
+    step is launch-bound, a drafter that is rarely right). After PLAIN_PROBE plain steps in a row
+    one drafts again (a probe); each probe the chooser answers with another plain step doubles
+    the interval, up to PLAIN_PROBE_MAX, so where trees never pay auto is `ar` plus rare probes.
+    """
+
+    def __init__(self, verify_ms: dict[int, float], decay: float = 0.9, plain_ms: float | None = None):
+        self.verify_ms = verify_ms  # budget -> ms of one verify of budget + 1 nodes
+        self.decay = decay
+        self.acc = self.pred = 1.0  # prior: the drafter's probabilities are honest
+        self.fixed_ms = 0.0
+        self.n = 0
+        self.plain_ms = plain_ms  # verify of the bonus alone with taps, or None: trees only
+        self.fixed_plain_ms = 0.0
+        self.n_plain = 0
+        self.probe_every = PLAIN_PROBE
+        bs = sorted(verify_ms)
+        self.last_tree = bs[min(2, len(bs) - 1)] if bs else 0  # the last tree budget chosen (15 by default)
+
+    def pick(self, scores: list[float]) -> tuple[int, float]:
+        """scores: path log-probabilities of a best-first tree's nodes (root first).
+        -> (budget, its predicted accepted length E_q)."""
+        return self.pick_eq(expected_accepts(scores, self.verify_ms))
+
+    def pick_eq(self, eq: dict[int, float], cap: int | None = None) -> tuple[int, float]:
+        """eq: budget -> E_q(budget) of the tree at hand (or the latest one seen); the candidates are
+        the budgets it covers, up to cap (the budget of the tree that will be truncated)."""
+        r = self.acc / self.pred
+        rate = {b: (1 + r * eq[b]) / (self.verify_ms[b] + self.fixed_ms) for b in self.verify_ms
+                if b in eq and (cap is None or b <= cap)}  # tokens / ms
+        best = max(rate, key=rate.get)
+        if self.plain_ms is not None and 1.0 / (self.plain_ms + self.fixed_plain_ms) > rate[best]:
+            return 0, 0.0
+        return best, eq[best]
+
+    def build_for(self, b: int, r: int) -> int:
+        """The budget of the tree round r's step stages for round r + 1, given round r's own budget
+        b (0: a plain step). Building bigger than the choice costs more drafting work than it
+        returns, so it is b itself, except in two consecutive rounds of every CLIMB_EVERY, one
+        budget above b (the next round then sees a bigger tree's E_q and may truncate it: the
+        choice can climb); after plain steps, the last tree budget chosen."""
+        if b == 0:
+            return self.last_tree
+        self.last_tree = b
+        up = [x for x in sorted(self.verify_ms) if x > b]
+        return up[0] if up and r % CLIMB_EVERY < 2 else b
+
+    def probe_answered(self, b: int):
+        """The budget chosen right after a probe: plain again doubles the probe interval, a tree resets it."""
+        self.probe_every = min(2 * self.probe_every, PLAIN_PROBE_MAX) if b == 0 else PLAIN_PROBE
+
+    def update_plain(self, wall_ms: float):
+        """A plain step's wall time (the time between two reads)."""
+        fixed = max(wall_ms - self.plain_ms, 0.0)
+        d = self.decay
+        self.fixed_plain_ms = fixed if self.n_plain == 0 else d * self.fixed_plain_ms + (1 - d) * fixed
+        self.n_plain += 1
+
+    def update(self, budget: int, predicted: float, accepted: int, wall_ms: float):
+        d = self.decay
+        self.acc, self.pred = d * self.acc + accepted, d * self.pred + max(predicted, 1e-6)
+        fixed = max(wall_ms - self.verify_ms[budget], 0.0)
+        self.fixed_ms = fixed if self.n == 0 else d * self.fixed_ms + (1 - d) * fixed
+        self.n += 1
+
+
+def expected_accepts(scores: list[float], budgets) -> dict[int, float]:
+    """E_q(b): the sum of the first b draft nodes' path probabilities (scores: root first)."""
+    probs = [math.exp(x) for x in scores[1:]]
+    return {b: sum(probs[:b]) for b in sorted(budgets)}
+
+
+# ------------------------------------------------------------------------------------ policies
+@dataclass
+class Plan:
+    """What round r runs, decided when it is queued."""
+
+    slot: Slot  # the tree its verify reads
+    into: Slot  # where its step writes the next tree (or the bonus alone)
+    build: int | str | None  # the next tree: None (the bonus alone), "chain", or a best-first budget
+    walk: int  # nodes the walk may accept
+    k: int = 1  # drafter top-k columns
+    prefix_of: Slot | None = None  # first copy slot's tree as this staged tree's prefix (auto)
+    summary: int = 0  # auto: summarise every prefix of the built tree, padded to this many
+    context: str = "path"  # the drafter's context: "path" (add the accepted rows), "defer" (keep the
+    #                        root's row for later), "flush" (deferred rows, then the path), "none" (ar)
+    keep: tuple = ()  # inputs the step rewrites (capture snapshots them)
+
+
+class Policy:
+    """Base: P (path length of the packet), E (extra floats), taps (the verify returns the drafter's
+    tap rows), T_max (largest tree verified)."""
+
+    P = 1
+    E = 0
+    taps = True
+    T_max = 1
+
+    def begin(self, tree: Tree, dec) -> None:
+        """Round 0's tree (built on the host from the prefill's draft) goes up."""
+
+    def plan(self, r: int, dec) -> Plan:
+        raise NotImplementedError
+
+    def read(self, r: int, out: RoundOut, T: int) -> int:
+        """Round r's packet. -> the depth of round r's tree (for its record)."""
+        return 0
+
+
+class PlainSteps(Policy):
+    """`ar`: every round verifies the bonus alone; its step writes the chosen token as the next root."""
+
+    taps = False
+
+    def begin(self, tree, dec):
+        self.slot = dec.slot(1)
+        self.slot.load(tree)
+
+    def plan(self, r, dec):
+        return Plan(slot=self.slot, into=self.slot, build=None, walk=1, context="none")
+
+
+class Chain(Policy):
+    """`dflash`: the drafter's top-1 chain of the block every round; `Fixed(b)`: the best-first tree
+    of b draft nodes. The step builds the next one into the same slot (E: its depth)."""
+
+    E = 1
+
+    def __init__(self, block: int, budget: int | None = None, k: int = 1):
+        self.P = block
+        self.build = "chain" if budget is None else budget
+        self.T_max = block if budget is None else budget + 1
+        self.k = k
+        self.depths: dict[int, int] = {}
+
+    def begin(self, tree, dec):
+        self.slot = dec.slot(self.T_max)
+        self.slot.load_with_ranks(tree)
+        self.depths = {0: int(tree.depths.max())}
+
+    def plan(self, r, dec):
+        s = self.slot
+        return Plan(slot=s, into=s, build=self.build, walk=self.P, k=self.k, keep=(s.ints, s.mask, s.ranks))
+
+    def read(self, r, out, T):
+        self.depths[r + 1] = int(out.extra[0])
+        return self.depths.pop(r)
+
+
+def Fixed(block: int, budget: int, k: int) -> Chain:
+    return Chain(block, budget, k)
+
+
+@dataclass
+class Auto(Policy):
+    """`--budget auto`: every drafting step builds a best-first tree into a staging slot of its
+    build budget (BudgetChooser.build_for) and summarises every prefix (E_q and depth); when the
+    host queues round r + 1 it picks its budget among those the staged tree covers (or 0, a plain
+    step), and a tiny piece copies that prefix into the budget's own slot.
+
+    A plain step costs what an `ar` step costs: its verify is the bonus alone, its step walks,
+    commits and keeps the root's tap row aside ("defer"; the drafter's context gets the deferred
+    rows at the next drafting step, "flush"), and writes the chosen token as the next root. Every
+    chooser.probe_every-th plain step in a row drafts again (a probe)."""
+
+    chooser: BudgetChooser
+    block: int
+    k: int
+    budgets: tuple = ()
+    staged: dict = field(default_factory=dict)  # round -> build budget of the tree its step staged
+    summary: dict = field(default_factory=dict)  # round -> (E_q per budget, depth per budget) of its tree, or None
+    drafted: dict = field(default_factory=dict)  # round -> did its step draft a tree
+    plain_run: int = 0  # plain steps in a row
+    t_last: float = 0.0
+
+    def __post_init__(self):
+        self.budgets = tuple(sorted(self.chooser.verify_ms))
+        self.nb = self.budgets[-1]
+        self.P, self.E, self.T_max = self.block, 2 * self.nb, self.nb + 1
+
+    def begin(self, tree, dec):
+        stage = dec.stage(self.nb + 1)
+        stage.load_with_ranks(tree)
+        self.summary = {0: (expected_accepts(tree.scores, self.budgets),
+                            {b: int(tree.depths[: b + 1].max()) for b in self.budgets})}
+        self.latest = self.summary[0][0]  # E_q per budget of the newest tree the host has read
+        self.staged, self.drafted = {-1: self.nb}, {-1: True}
+        self.t_last = time.perf_counter()
+
+    def plan(self, r, dec):
+        ch = self.chooser
+        after_tree = self.drafted[r - 1]
+        src = self.staged[r - 1]
+        b = ch.pick_eq(self.latest, cap=src)[0] if after_tree else 0
+        if after_tree and self.plain_run:  # the round after a probe
+            ch.probe_answered(b)
+        plain = b == 0
+        self.plain_run = self.plain_run + 1 if plain else 0
+        drafting = not plain or self.plain_run % ch.probe_every == 0
+        self.drafted[r] = drafting
+        self.drafted.pop(r - 2, None)
+        slot = dec.slot(b + 1)
+        b_build = self.staged[r] = ch.build_for(b, r)
+        self.staged.pop(r - 2, None)
+        prefix_of = dec.stage(src + 1) if after_tree else None  # after a plain step slot(1) holds the root
+        if not drafting:  # a plain step: the chosen token becomes slot(1)'s root
+            return Plan(slot=slot, into=dec.slot(1), build=None, walk=1, prefix_of=prefix_of,
+                        summary=self.nb, context="defer")
+        into = dec.stage(b_build + 1)
+        return Plan(slot=slot, into=into, build=b_build, walk=1 if plain else self.P, k=min(self.k, b_build),
+                    prefix_of=prefix_of, summary=self.nb, context="flush" if plain else "path",
+                    keep=(into.ints, into.mask, into.ranks))
+
+    def read(self, r, out, T):
+        ch, now = self.chooser, time.perf_counter()
+        eq, depth_of = self.summary.pop(r) or ({}, {})
+        if T == 1:  # a plain step
+            depth = 0
+            ch.update_plain((now - self.t_last) * 1e3)
+        else:
+            depth = depth_of[T - 1]
+            ch.update(T - 1, eq[T - 1], out.n - 1, (now - self.t_last) * 1e3)
+        self.t_last = now
+        nb, h = self.nb, out.extra
+        if h[nb] >= 1:  # the step drafted a tree (its depth-of-one-node prefix is 1)
+            cover = [b for b in self.budgets if b <= self.staged.get(r, nb)]
+            self.summary[r + 1] = ({b: h[b - 1] for b in cover}, {b: int(h[nb + b - 1]) for b in cover})
+            self.latest = self.summary[r + 1][0]
+        else:
+            self.summary[r + 1] = None
+        return depth
+
+
+def auto_summary(summary: tuple[torch.Tensor, torch.Tensor], nb: int, statics) -> torch.Tensor:
+    """--budget auto's packet extra from a staged tree of B <= nb draft nodes: [E_q(b) for b = 1..nb,
+    depth of b's prefix for b = 1..nb], zeros past B."""
+    eq, depth = summary
+    B = eq.shape[0]
+    pad = [statics.full(nb - B, 0.0)] if nb > B else []
+    return torch.cat([eq, *pad, depth.float(), *pad])

@@ -1,0 +1,176 @@
+"""One round of every method, in the order it runs on the device:
+
+    verify --> choose --> walk --> commit --> drafter context --> draft --> next tree --> packet
+      ^        (per node: argmax,  (accepted   (target K/V,        (top-k of   (chain or          |
+      |         or a sample)        path)       GDN states)         the block)  best-first)        |
+      +---- round r + 1 is queued before the host reads round r's packet: ONE device-to-host copy -+
+
+`ar`, `dflash` and `ddtree` (a fixed budget or `--budget auto`) all run this pipeline; what differs
+is the policy (ddtree.decode.budget): which tree a verify reads and what its step builds. `ar` is
+the plain step: a one-node tree, no drafter, and the chosen token written as the next root.
+
+The walk starts at the root, takes the target's own token at the current node, moves to the child
+holding it and stops where no child does; that token is the next bonus (root). Every emitted token
+is a token the target chose given exactly the prefix before it, so outputs equal the target's own
+decoding: token for token when greedy, in distribution when sampling.
+
+Everything that depends on acceptance stays on the device: round r + 1's verify is queued with
+its context bucket taken for the longest possible acceptance (the attention masks use the true
+length on the device), so the host reads round r while the device runs round r + 1.
+Reference twin: the host-tree loop (ddtree.decode.reference).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ddtree.decode.budget import PLAIN_PROBE_MAX, Plan, Policy, auto_summary
+from ddtree.decode.buffers import HostRing, Packet
+from ddtree.decode.graphs import PrefixKey, StepKey, bucket
+from ddtree.stats import RoundRecord
+
+
+def emit(toks: list[int], room: int, stop_ids) -> tuple[list[int], bool]:
+    """A round's tokens as emitted: at most `room`, cut after the first stop token. -> (tokens, stopped)."""
+    toks = toks[:room]
+    for i, t in enumerate(toks):
+        if t in stop_ids:
+            return toks[: i + 1], True
+    return toks, False
+
+
+class DeferredContext:
+    """Tap rows of --budget auto's plain steps, kept until the next drafting step adds them to the
+    drafter's context with its own path (a plain step then runs no drafter layer at all)."""
+
+    def __init__(self, width: int, dev, dtype, rows: int = PLAIN_PROBE_MAX):
+        self.rows = torch.zeros(rows, width, device=dev, dtype=dtype)  # [Q, taps * hidden]
+        self.count = torch.zeros((), dtype=torch.long, device=dev)
+        self.index = torch.arange(rows, device=dev)
+
+    def push(self, taps: torch.Tensor):
+        """taps [1, W] (a plain verify's root) -> rows[count]; count += 1."""
+        self.rows.index_copy_(0, self.count.view(1), taps[:1].to(self.rows.dtype))
+        self.count += 1
+
+    def flush(self, drafter, taps: torch.Tensor, path: torch.Tensor, n: torch.Tensor):
+        """Add the deferred rows, then the path's rows of taps [T, W], in one fixed-shape call."""
+        Q, P = self.rows.shape[0], path.shape[0]
+        i = torch.arange(Q + P, device=path.device)
+        rows = torch.where(i < self.count, i, Q + path.gather(0, (i - self.count).clamp(0, P - 1)))  # [Q + P]
+        drafter.add_context(torch.cat([self.rows, taps.to(self.rows.dtype)]), self.count + n, rows=rows)
+        self.count.zero_()
+
+
+class Pipeline:
+    """Runs the rounds of one generation for `policy` (see the module docstring)."""
+
+    def __init__(self, dec, policy: Policy, sampling, gen, clock):
+        self.dec, self.policy, self.sampling, self.gen, self.clock = dec, policy, sampling, gen, clock
+        self.packet = Packet(policy.P, policy.E)
+        self.ring = HostRing(self.packet.size, dec.target.device)
+        self.zeros = dec.statics.full(policy.E, 0.0) if policy.E else None
+        self.deferred: DeferredContext | None = None
+
+    # ---------------------------------------------------------------- the host side
+    def run(self, out: list[int], start: int, max_new: int, stop_ids, on_tokens, rounds: list, pending: list):
+        """Rounds until max_new tokens or a stop token; appends to out, rounds and pending (stage marks)."""
+        dec, P = self.dec, self.policy.P
+        sizes: dict[int, int] = {}
+        marks = {0: self.launch(0, start, sizes)}
+        r = 0
+        while True:
+            h0 = time.perf_counter()
+            # round r + 1 starts at most P past round r's start: queue it now if that fits
+            ahead = len(out) + 1 < max_new and start + P + self.policy.T_max + P <= dec.max_len
+            if ahead:
+                marks[r + 1] = self.launch(r + 1, start + P, sizes)
+            w0 = time.perf_counter()
+            got = self.packet.read(self.ring.get(r))  # the round's one device-to-host sync
+            wait_s = time.perf_counter() - w0
+            T = sizes.pop(r)
+            depth = self.policy.read(r, got, T)
+            start += got.n
+            toks, stopped = emit(got.tokens[1:] + [got.bonus], max_new - len(out), stop_ids)
+            out.extend(toks)
+            if on_tokens:
+                on_tokens(toks)
+            rounds.append(RoundRecord(tree_size=T - 1, tree_depth=depth, accepted=got.n - 1, accepted_ranks=got.ranks,
+                                      committed=len(toks), times_ms={}))
+            pending.append(marks.pop(r) + [("host", (time.perf_counter() - h0 - wait_s) * 1e3)])
+            if stopped or len(out) >= max_new:
+                return
+            if not ahead:
+                marks[r + 1] = self.launch(r + 1, start, sizes)
+            r += 1
+
+    def launch(self, r: int, start_bound: int, sizes: dict) -> list:
+        """Queue round r (its committed length is at most start_bound): verify, then its step."""
+        dec, clock = self.dec, self.clock
+        plan = self.policy.plan(r, dec)
+        slot = plan.slot
+        if plan.prefix_of is not None:  # auto: this round's tree is a prefix of the staged one
+            src = plan.prefix_of
+            slot.device_written()
+            dec.graphs.run(PrefixKey(slot.T, src.T - 1), lambda: slot.copy_prefix_(src))
+        sizes[r] = slot.T
+        kv_len = min(bucket(start_bound + slot.T, dec.bucket), dec.max_len)
+        draft_kv = min(bucket(start_bound + self.policy.P, dec.bucket), dec.max_len)
+        e0 = clock.now()
+        vkey, taps = dec.verify(slot, kv_len, self.sampling, self.gen, self.policy.taps)
+        e1 = clock.now()
+        key = StepKey(vkey, self.policy.P, plan.walk, draft_kv, plan.k, self.sampling.temperature_or_none,
+                      plan.build, plan.into.T, plan.summary, plan.context)
+        packet = dec.graphs.run(key, lambda: self.step(plan, taps, draft_kv), keep=plan.keep)
+        e2 = clock.now()
+        self.ring.put(r, packet)
+        return [("verify", e0, e1), ("draft", e1, e2)]
+
+    # ---------------------------------------------------------------- the device side (one graph)
+    def step(self, plan: Plan, taps, draft_kv: int) -> torch.Tensor:
+        """Everything after a verify: walk -> commit -> drafter context -> draft -> next tree.
+        -> the packet (ddtree.decode.buffers.Packet)."""
+        dec = self.dec
+        plan.slot.device_written()
+        plan.into.device_written()
+        head = dec.statics.header(self.policy.P)
+        path, n, bonus = dec.walk(plan.slot, plan.walk, head)  # the accepted path; the header for the host
+        dec.commit(path, n)  # target K/V, GDN states; the committed length
+        self.add_context(plan, taps, path, n)
+        if plan.build is None:  # the bonus alone is the next tree
+            plan.into.tokens[:1].copy_(bonus.view(1))
+            extra = self.zeros
+        else:
+            lp, ids = dec.draft_topk(bonus, draft_kv, plan.k, self.sampling)
+            extra = self.next_tree(plan, bonus, lp, ids)
+        return head if extra is None else torch.cat([head, extra])
+
+    def add_context(self, plan: Plan, taps, path, n):
+        """The drafter's context += the accepted rows (now, or deferred: see DeferredContext)."""
+        if plan.context == "none":
+            return
+        drafter = self.dec.drafter
+        if plan.context == "path":
+            drafter.add_context(taps, n, rows=path)
+            return
+        if self.deferred is None:
+            self.deferred = DeferredContext(taps.shape[-1], drafter.device, taps.dtype)
+        if plan.context == "defer":
+            self.deferred.push(taps)
+        else:
+            self.deferred.flush(drafter, taps, path, n)
+
+    def next_tree(self, plan: Plan, bonus, lp, ids) -> torch.Tensor:
+        """Write the next round's tree into plan.into; -> the packet's extra (its depth, or auto's
+        per-prefix summary)."""
+        dec, into = self.dec, plan.into
+        ids = ids.to(into.tokens.device)
+        if plan.build == "chain":  # bonus, then the drafter's top-1 per position
+            torch.cat([bonus.view(1), ids[:, 0]], out=into.tokens)
+            return dec.statics.full(1, float(into.T - 1))
+        depth, summary = dec.build_tree(bonus, lp.to(ids.device), ids, plan.build, into, summarise=bool(plan.summary))
+        if summary is not None:
+            return auto_summary(summary, plan.summary, dec.statics)
+        return depth.float().view(1)

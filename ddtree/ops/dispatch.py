@@ -1,0 +1,85 @@
+"""Which implementation each op takes on a device: the one place where fast paths are chosen.
+
+`Kernels` is resolved once per device from the `Options` (and what this machine can run) and
+travels with every forward (`Step.kernels`) and commit, so layers read plain frozen fields: no
+module-level switches, and the compiled layers guard on the values they read.
+
+Every fast path has its twin (ddtree.ops.gdn for the GDN math, the dense-mask SDPA for
+attention, ddtree.ops.tree for the tree builder, ddtree.ops.walk.walk for the walk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.ops import triton_util
+from ddtree.options import Options
+
+# Tree-verify kernel sizes: trees of up to this many nodes; with tree_kernel=auto also padded
+# nodes x key width at most TREE_TILE (an H200 measured 16 nodes at dk 128 and 32 at dk 64 faster
+# than tree_wy's cuBLAS path, 32 at dk 128 ~70 us per layer slower).
+TREE_MAX_NODES = {"auto": 32, "on": 128, "off": 0}
+TREE_TILE = 2048
+
+
+def tile(n: int) -> int:
+    """A tile side for n rows or channels: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The fast paths one device takes (hashable: compiled code guards on it)."""
+
+    triton: bool = False  # GDN step, commits, tree build
+    walk: bool = False  # the walk kernel
+    tree_max_nodes: int = 0  # tree-verify GDN kernel for 1 < T <= this
+    tree_tile: int = TREE_TILE  # ... and padded nodes x key width at most this
+    tree_precision: str = "ieee"
+    tree_prologue: int = 0  # the prologue inside that kernel for T <= this
+    attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
+    fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
+
+    def tree(self, T: int, dk: int) -> bool:
+        """The one-kernel tree verify for a T-node tree of key width dk?"""
+        return 1 < T <= self.tree_max_nodes and tile(T) * tile(dk) <= self.tree_tile
+
+    def prologue(self, T: int, dk: int) -> bool:
+        return T <= self.tree_prologue and self.tree(T, dk)
+
+
+REFERENCE = Kernels()  # every op on its torch twin
+
+
+def resolve(options: Options, device: torch.device | str) -> Kernels:
+    """The Kernels a device gets under `options`: Triton on CUDA when it imports (and on CPU only
+    under the interpreter with triton_on_cpu)."""
+    dev = torch.device(device)
+    runs = triton_util.triton is not None and (dev.type == "cuda" or (options.triton_on_cpu and triton_util.interpreter_on()))
+    tri = options.triton and runs
+    return Kernels(
+        triton=tri,
+        walk=tri and options.triton_walk,
+        tree_max_nodes=TREE_MAX_NODES[options.tree_kernel] if tri else 0,
+        tree_tile=TREE_TILE if options.tree_kernel == "auto" else 1 << 30,
+        tree_precision=options.tree_precision if dev.type == "cuda" else "ieee",
+        tree_prologue=options.tree_prologue if tri else 0,
+        attention=_attention(options, tri),
+        fla=options.fla and dev.type == "cuda",
+    )
+
+
+def _attention(options: Options, tri: bool) -> str:
+    if options.attention == "sdpa" or not tri:
+        return "sdpa"
+    return "kernel" if _attention_kernel_available() else "sdpa"
+
+
+def _attention_kernel_available() -> bool:
+    try:
+        from ddtree.ops import attention  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(attention, "tree_attention")

@@ -1,0 +1,161 @@
+"""A tree verify's Gated DeltaNet recurrence in one Triton kernel per layer (twin: `gdn.tree_wy`).
+
+`gdn.tree_wy`'s math (path-summed log-decays, the q/k reads against the state, the
+unit-lower-triangular solve over ancestors, the output) in one kernel instead of ~14 (batched
+GEMMs, a triangular solve, pointwise): on a small model every launch counts. One program per
+(value head, block of value channels): the solve is column-wise, so the blocks are independent.
+`gdn_tree_prologue` also computes the layer's prologue (tree convolution + SiLU, q/k norms, head
+repeat, gates) from the projection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.ops.dispatch import tile as _tile
+from ddtree.ops.triton_util import _kernel, _on_device_of, tl, triton
+
+
+def _gdn_tree_kernel(
+    q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
+    ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
+    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr,
+    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
+):
+    # One program per (value head, block of BV value channels): the solve is column-wise in v, so
+    # the blocks are independent; each recomputes the [T, T] masks (cheap) and keeps few live tiles.
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    first = vb == 0  # writes the head's k and c scratch
+    f32 = tl.float32
+    ot = tl.arange(0, BT)
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    mt, mk, mv = ot < T, ok < DK, ov < DV
+    mtk = mt[:, None] & mk[None, :]
+    mtv = mt[:, None] & mv[None, :]
+    if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
+        dt = ext.dtype.element_ty
+        kh = h // REP  # the key head of this value head
+        cq = kh * DK + ok  # conv channels of q, k and v
+        ck = KD + kh * DK + ok
+        cv = 2 * KD + h * DV + ov
+        aq = tl.zeros([BT, BK], dtype=f32)
+        ak = tl.zeros([BT, BK], dtype=f32)
+        av = tl.zeros([BT, BV], dtype=f32)
+        for j in tl.static_range(W):  # the tree convolution: each node's window rows of ext
+            row = tl.load(window + ot * W + j, mask=mt, other=0)
+            aq += tl.load(conv_w + j * C + cq, mask=mk, other=0.0)[None, :] * \
+                tl.load(ext + row[:, None] * C + cq[None, :], mask=mtk, other=0.0).to(f32)
+            ak += tl.load(conv_w + j * C + ck, mask=mk, other=0.0)[None, :] * \
+                tl.load(ext + row[:, None] * C + ck[None, :], mask=mtk, other=0.0).to(f32)
+            av += tl.load(conv_w + j * C + cv, mask=mv, other=0.0)[None, :] * \
+                tl.load(ext + row[:, None] * C + cv[None, :], mask=mtv, other=0.0).to(f32)
+        # SiLU, rounded to the model dtype as tree_conv's output is; then the l2 norms (q also * DK^-0.5)
+        Q = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
+        K = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
+        V = (av / (1.0 + tl.exp(-av))).to(dt, fp_downcast_rounding="rtne").to(f32)
+        Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None] * (1.0 / tl.sqrt(DK * 1.0))
+        K = K / tl.sqrt(tl.sum(K * K, 1) + 1e-6)[:, None]
+        zb = C + HV * DV  # b, then a, after qkv and z in the projection row
+        bb = tl.load(proj + ot * s_pt + zb + h, mask=mt, other=0.0).to(f32)
+        aa = tl.load(proj + ot * s_pt + zb + HV + h, mask=mt, other=0.0).to(f32) + tl.load(dt_bias + h).to(f32)
+        gg = tl.where(mt, tl.load(neg_a + h) * tl.where(aa > 20.0, aa, tl.log(1.0 + tl.exp(aa))), 0.0)
+        bb = tl.where(mt, 1.0 / (1.0 + tl.exp(-bb)), 0.0)
+    else:
+        K = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
+        gg = tl.load(g + ot * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
+        bb = tl.load(beta + ot * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
+    tl.store(kbuf + h * s_kbh + ot[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
+    on_path = tl.load(mask + ot[:, None] * T + ot[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
+    c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
+    tl.store(cbuf + h * s_cbh + ot, c, mask=mt & first)
+    decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
+    ec = tl.exp(c)
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    if not PROLOGUE:
+        V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+    U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision=PREC))  # right-hand side, solved in place
+    kk = tl.dot(K, tl.trans(K), input_precision=PREC)  # [BT, BT]
+    A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
+    if not PROLOGUE:
+        Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
+    O = ec[:, None] * tl.dot(Q, S, input_precision=PREC)
+    Pm = decay * tl.dot(Q, tl.trans(K), input_precision=PREC)
+    # (I + A) U = B without a serial substitution: A is strictly lower triangular, so A^T = 0 and
+    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(2^(NSQ))), 2^(NSQ+1) >= T: NSQ squarings and
+    # NSQ + 1 products, all tile dots (a loop over the nodes costs a barrier-bound step per node).
+    U -= tl.dot(A, U, input_precision=PREC)
+    for _ in tl.static_range(NSQ):
+        A = tl.dot(A, A, input_precision=PREC)
+        U += tl.dot(A, U, input_precision=PREC)
+    O += tl.dot(Pm, U, input_precision=PREC)
+    tl.store(o + ot[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
+    tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
+
+
+@torch.compiler.disable  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
+def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee"):
+    """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
+    channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
+    does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
+    path_mask [T, T] bool. -> o [T, H, dv] fp32."""
+    T, H, dk = q.shape
+    for t in (q, k, v):
+        assert t.stride(-1) == 1
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
+    return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision)
+
+
+@torch.compiler.disable
+def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
+                      precision: str = "ieee"):
+    """The tree verify of GDN layer `layer` from its projection: the tree convolution + SiLU, q/k
+    l2 norms, head repeat and gates (GatedDeltaNet.qkvgb) and then gdn_tree's recurrence, in one
+    kernel. proj [T, N] the fused input projection (qkv | z | b | a); ext [hist + T, C] the conv
+    inputs (state rows, then proj's qkv); window [T, width]. -> o [T, hv, dv] fp32, `out` written
+    as gdn_tree writes it. Twin: qkvgb + gdn_tree (tests/ops/test_gdn_kernels.py)."""
+    T = proj.shape[0]
+    assert proj.stride(-1) == 1 and ext.stride(-1) == 1 and ext.stride(0) == layer.conv_dim and window.is_contiguous()
+    w, neg_a = layer._consts()
+    pro = (ext, window, w, proj, neg_a, layer.dt_bias, proj.stride(0), layer.conv_dim, layer.hv,
+           layer.hv // layer.hk, layer.hk * layer.dk, window.shape[1])
+    return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, T, layer.hv, layer.dk,
+                        layer.dv, pro, precision)
+
+
+def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision):
+    kb, ub, cb = out
+    for t in (kb, ub):
+        assert t.stride(-1) == 1
+    assert cb.stride(-1) == 1 and S0.is_contiguous()
+    mask = path_mask.contiguous().view(torch.int8)
+    o = torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
+    BT = _tile(T)
+    BV = min(32, _tile(dv))
+    prologue = pro is not None
+    if not prologue:  # the prologue's pointer / int arguments go unused
+        pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
+    kern = _kernel(_gdn_tree_kernel, interpret=not S0.is_cuda)
+    with _on_device_of(S0):
+        kern[(H, triton.cdiv(dv, BV))](
+            q, k, v, g, beta, S0, mask, o, kb, ub, cb,
+            *strides, o.stride(0), o.stride(1),
+            kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
+            *pro[:9],
+            T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
+            NSQ=max(0, (T - 1).bit_length() - 1), num_warps=8 if BT > 32 else 4,
+            PREC=precision if S0.is_cuda else "ieee",
+            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
+        )
+    return o
+
+
+
+
+if triton is not None:
+    _kernel(_gdn_tree_kernel, interpret=False)
