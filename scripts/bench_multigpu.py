@@ -25,7 +25,9 @@ from ddtree.decode.decoder import Decoder  # noqa: E402
 from ddtree.model.presets import PRESETS  # noqa: E402
 from ddtree.model.target import weight_bytes_per_token  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
-from ddtree.parallel import tp  # noqa: E402
+from ddtree.parallel.launch import run_tp  # noqa: E402
+from ddtree.parallel.sharding import rank_bytes_per_token  # noqa: E402
+from ddtree.parallel.workers import bench_worker, gen_kwargs, run_generate_tp_jobs  # noqa: E402
 
 
 def jobs_for(prompt, n):
@@ -61,7 +63,7 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
     names = [f"{j['method']}" + (f"-{j['budget']}" if j["method"] == "ddtree" else "") for j in jobs]
 
     def tokens(dec):
-        return [dec.generate(**tp._gen_kwargs({}, j)).token_ids for j in jobs]
+        return [dec.generate(**gen_kwargs({}, j)).token_ids for j in jobs]
 
     one = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices[:1]), torch.float32, 512, seed=3)))
     split = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices), torch.float32, 512, seed=3)))
@@ -75,13 +77,13 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
                                layout="drafter")
         common = dict(target=str(tdir), drafter=str(ddir), seed=0, dtype="float32", max_length=512, stop_ids=[],
                       tp=2, device_type=device_type)
-        recs = tp.run_generate_tp_jobs(common, jobs)
+        recs = run_generate_tp_jobs(common, jobs)
         res = {"layer split = 1 device": dict(zip(names, (a == b for a, b in zip(one, split)))),
                "TP=2 = 1 device": dict(zip(names, (r.token_ids == b for r, b in zip(recs, ref))))}
         if symm and device_type == "cuda":  # the same through symmetric-memory all-reduces (must set up)
             os.environ["DDTREE_TP_SYMM"] = "require"
             try:
-                recs = tp.run_generate_tp_jobs(common, jobs)
+                recs = run_generate_tp_jobs(common, jobs)
                 res["TP=2 symm = 1 device"] = dict(zip(names, (r.token_ids == b for r, b in zip(recs, ref))))
             except Exception as e:
                 res["TP=2 symm = 1 device"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -112,7 +114,7 @@ def main():
     for name, devs in (("1 GPU", ["cuda:0"]), ("layer split", ["cuda:0", "cuda:1"])):
         t, d = build_random_on_devices(raw_t, raw_d, devs, torch.bfloat16, max_len)
         dec = Decoder(t, d)
-        res[name] = summarize([dec.generate(**tp._gen_kwargs({}, j)) for j in jobs_for(prompt, a.tokens)])
+        res[name] = summarize([dec.generate(**gen_kwargs({}, j)) for j in jobs_for(prompt, a.tokens)])
         print(name, {k: v for k, v in res[name].items() if "tokens" not in k}, file=sys.stderr, flush=True)
         del dec, t, d
         torch.cuda.empty_cache()
@@ -122,8 +124,8 @@ def main():
             continue
         os.environ["DDTREE_TP_SYMM"] = symm
         try:
-            recs = tp.run_tp(2, tp.bench_worker, raw_t, raw_d, "bfloat16", jobs_for(prompt, a.tokens), max_len, 0,
-                             None, device_type="cuda")
+            recs = run_tp(2, bench_worker, raw_t, raw_d, "bfloat16", jobs_for(prompt, a.tokens), max_len, 0,
+                          None, device_type="cuda")
         except Exception as e:  # report, do not hide: the NCCL row stands
             print(f"{name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
             continue
@@ -141,7 +143,7 @@ def main():
     # projection for 2x RTX A6000 (768 GB/s each): per-rank bytes / bandwidth at the efficiency we
     # measured on one H200 (achieved / copy bandwidth), plus the collectives' latency over PCIe.
     wb = weight_bytes_per_token(cfg)
-    shard = tp.rank_bytes_per_token(cfg, 2)
+    shard = rank_bytes_per_token(cfg, 2)
     from scripts.bench_engine import copy_bandwidth
 
     out["copy_GBps"] = copy_bandwidth() / 1e9
