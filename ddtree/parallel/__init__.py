@@ -8,7 +8,7 @@ loop with the same seed and their trees and walks agree. The drafter is replicat
 Modules, each importing only the ones above it:
 
   comm      the collectives installed into a model's hooks (all-reduce, logits all-gather,
-            SymmAllReduce, install_tp_hooks, NCCL_ENV)
+            SymmAllReduce, install_tp_hooks, NCCL_ENV) and their one-process stand-ins
   sharding  the slicing plan and one rank's shard (shard_config, shard_plan, shard_tensor,
             shard_state_dict, rank_bytes_per_token, load_target_shard, random_target_shard,
             random_drafter)

@@ -1,4 +1,4 @@
-"""The collectives tensor parallelism installs into a model.
+"""The collectives tensor parallelism installs into a model, and their single-process stand-ins.
 
 A TargetModel has two hooks, identity by default: `DecoderLayer.reduce` (called on the mixer's and
 on the MLP's output: under TP these are partial sums of the row-parallel projections) and
@@ -7,6 +7,10 @@ on the MLP's output: under TP these are partial sums of the row-parallel project
 [T, V/W] -> [T, V]; that is 2 x layers + 1 collectives per target forward, plus one gather for
 the drafter's logits (it uses the target's lm_head and hook).
 
+`install_rank_stand_ins` sets them for ONE rank without a process group (benchmarks of a rank's
+share of the work on one GPU): the reduce is an identity (a distinct function, so the compiled
+layers take the same two-halves path as under TP), the gather repeats the rank's block W times
+(the full-vocab shape the decoder samples from, at the cost of one copy like the real gather's).
 """
 
 from __future__ import annotations
@@ -101,3 +105,21 @@ def install_tp_hooks(model, world: int, group=None) -> None:
     nccl = dist.get_backend(group) == "nccl"
     model.gather_logits = partial(all_gather_last, world=world, group=group, into_tensor=nccl)
 
+
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Stand-in for the all-reduce: this rank's partial sum, unsummed."""
+    return x
+
+
+def repeat_gather(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Stand-in for the logits all-gather: [..., V/W] -> [..., V], this rank's block W times."""
+    return x.repeat(*([1] * (x.dim() - 1)), world)
+
+
+def install_rank_stand_ins(model, world: int) -> None:
+    """One rank's hooks without a process group (see the module docstring): what it computes and
+    reads is what a rank of TP=world does; the collectives' cost is left out. Install before
+    building the Decoder, like install_tp_hooks."""
+    for layer in model.layers:
+        layer.reduce = no_reduce
+    model.gather_logits = partial(repeat_gather, world=world)

@@ -182,16 +182,27 @@ def load_target_shard(model_dir, rank: int, world: int, device, dtype: torch.dty
     return model
 
 
-def rank_bytes_per_token(cfg: TargetConfig, world: int, dtype_bytes: int = 2) -> dict[str, int]:
-    """Per-rank weight bytes read per decode step, and bytes each rank sends per decoded token
-    (two all-reduces of one hidden row per layer + its slice of the fp logits all-gather)."""
+def rank_bytes_per_token(cfg: TargetConfig, world: int, dtype_bytes: int = 2, context: int = 0) -> dict[str, int]:
+    """Per-rank bytes of one decode step, and bytes each rank sends per decoded token.
+
+    weight_bytes: this rank's layer weights + its lm_head block (the embedding row is negligible);
+    kv_bytes: its K/V heads of every attention layer over `context` committed tokens;
+    state_bytes: its GDN recurrent states (fp32), read and written once a step;
+    step_bytes: the three together. world=1 gives the whole model's figures.
+    allreduce_bytes: two all-reduces of one hidden row per layer; gather_bytes: its slice of the
+    logits all-gather (one row); collectives: 2 x layers + 1."""
     from ddtree.model.target import layer_bytes
 
     s = shard_config(cfg, world)
     weights = sum(layer_bytes(s, dtype_bytes)) + dtype_bytes * (cfg.vocab_size // world) * cfg.hidden_size
+    n_attn = sum(1 for t in cfg.layer_types if t == "full_attention")
+    n_gdn = sum(1 for t in cfg.layer_types if t == "linear_attention")
+    kv = n_attn * context * s.num_kv_heads * s.head_dim * 2 * dtype_bytes  # K and V
+    state = 2 * n_gdn * s.gdn_num_v_heads * s.gdn_k_dim * s.gdn_v_dim * 4  # [Hv, dk, dv] fp32, read + write
     allreduce = 2 * cfg.num_layers * cfg.hidden_size * dtype_bytes
-    return {"weight_bytes": weights, "allreduce_bytes": allreduce,
-            "gather_bytes": dtype_bytes * cfg.vocab_size // world, "collectives": 2 * cfg.num_layers + 1}
+    return {"weight_bytes": weights, "kv_bytes": kv, "state_bytes": state, "step_bytes": weights + kv + state,
+            "allreduce_bytes": allreduce, "gather_bytes": dtype_bytes * cfg.vocab_size // world,
+            "collectives": 2 * cfg.num_layers + 1}
 
 
 def _device_random_(module: nn.Module, seed: int, sharded: Callable[[str], bool] = lambda n: False, rank: int = 0):
@@ -222,9 +233,11 @@ def _device_random_(module: nn.Module, seed: int, sharded: Callable[[str], bool]
 
 
 def random_target_shard(cfg: TargetConfig | dict, rank: int, world: int, device, dtype: torch.dtype, max_len: int,
-                        seed: int = 0):
+                        seed: int = 0, install_hooks: bool = True):
     """This rank's shard of a target with random weights (benchmarks at the real shape: nothing
-    is read from disk and the full model is never built). Hooks installed when world > 1."""
+    is read from disk and the full model is never built). The TP hooks are installed when
+    world > 1 and install_hooks (they need a process group); install_hooks=False leaves the
+    identity hooks (or install ddtree.parallel.comm.install_rank_stand_ins: one rank on one GPU)."""
     from ddtree.model.checkpoint import parse_dtype
     from ddtree.model.target import TargetModel
 
@@ -236,7 +249,7 @@ def random_target_shard(cfg: TargetConfig | dict, rank: int, world: int, device,
     model = model.to(parse_dtype(dtype)).to_empty(device=torch.device(device))
     _device_random_(model, seed, lambda n: shard_plan(n, cfg, rank, world) is not None, rank)
     model.eval()
-    if world > 1:
+    if install_hooks and world > 1:
         install_tp_hooks(model, world)
     model.allocate_state(max_len)
     return model
