@@ -3,11 +3,14 @@ GPU run differs only in the device, bf16, CUDA graphs and compiled layers)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ddtree.model.config import TargetConfig
 from ddtree.model.synthetic import tiny_drafter_config, tiny_hybrid_config
-from scripts.bench_tp_rank import ALLREDUCE_US, parse_costs, project, report, measure
+from scripts.bench_tp_rank import ALLREDUCE_US, measure, parse_costs, project, report
+from scripts.project_a6000 import kind_of, measurements
 
 
 def test_parse_costs():
@@ -41,7 +44,13 @@ def test_measure_and_project_on_cpu(one_thread, capsys):
             assert p["ddtree_round_ms"] == pytest.approx(s["ddtree_round_ms"] + (n + 1) * us * 1e-3)
         assert row["shard_over_full"] == pytest.approx(s["ar_ms_per_token"] / f["ar_ms_per_token"])
         assert row["shard_bytes_per_token"] < row["full_bytes_per_token"]
-    doc = {"world": 2, "budget": 4, "gpu": "cpu", "date": "-", "preset": "tiny", **res, "projection": proj}
+    doc = {"kind": "tp_rank", "world": 2, "budget": 4, "gpu": "cpu", "date": "-", "preset": "tiny", "copy_GBps": 1.0,
+           **res, "projection": proj}
     report(doc)
     text = capsys.readouterr().out
     assert "PROJECTED TP=2" in text and "nccl-pcie 20us" in text and "published" in text
+    # scripts/project_a6000.py reads these fields
+    assert kind_of(doc) == "tp_rank"
+    got = measurements({"tp_rank": (Path("tp-rank.json"), doc)}, 4, [])
+    assert {k: sorted(v) for k, v in got.items()} == {("shard", u): [24, 40] for u in ("ar", "dflash", "ddtree")} | {
+        ("1gpu", "ar"): [24, 40]}
