@@ -143,6 +143,7 @@ def measure(raw_t: dict, raw_d: dict, world: int, contexts: list[int], tokens: i
         log(f"rank 0 of {world} built; GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB", t0)
     dec = Decoder(target, drafter, max_len, **dec_kw)
     for c in contexts:
+        log(f"shard ctx {c}: ar, dflash, ddtree-{budget}, each twice (every run prefills {c} tokens)", t0)
         res["shard"][f"ctx{c}"] = _safe(lambda: time_methods(dec, prompts[c], ["ar", "dflash", "ddtree"], tokens, budget),
                                         f"shard ctx {c}", t0)
         log(f"shard ctx {c}: {res['shard'][f'ctx{c}']}", t0)
