@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Two GPUs: one GPU vs layer split vs tensor parallelism (TP=2), random weights of a preset's
 exact shape. Prints AR tok/s and DDTree round time for each, the TP speedup, a float32 check that
-the split and TP=2 give the one-GPU greedy tokens (small random pair, all three methods), and a
-projection for 2x RTX A6000 from the measured bytes per token.
+the split and TP=2 give the one-GPU greedy tokens (small random pair, all three methods). The
+2x RTX A6000 projection reads its JSON: scripts/project_a6000.py.
 
     python scripts/bench_multigpu.py --preset qwen3.6-27b --out results/multigpu.json
 """
@@ -20,12 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree.model.config import TargetConfig  # noqa: E402
 from ddtree.decode.decoder import Decoder  # noqa: E402
 from ddtree.model.presets import PRESETS  # noqa: E402
-from ddtree.model.target import weight_bytes_per_token  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
-from ddtree.parallel import tp  # noqa: E402
+from ddtree.parallel.launch import run_tp  # noqa: E402
+from ddtree.parallel.workers import bench_worker, gen_kwargs, run_generate_tp_jobs  # noqa: E402
 
 
 def jobs_for(prompt, n):
@@ -61,7 +60,7 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
     names = [f"{j['method']}" + (f"-{j['budget']}" if j["method"] == "ddtree" else "") for j in jobs]
 
     def tokens(dec):
-        return [dec.generate(**tp._gen_kwargs({}, j)).token_ids for j in jobs]
+        return [dec.generate(**gen_kwargs({}, j)).token_ids for j in jobs]
 
     one = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices[:1]), torch.float32, 512, seed=3)))
     split = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices), torch.float32, 512, seed=3)))
@@ -75,13 +74,13 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
                                layout="drafter")
         common = dict(target=str(tdir), drafter=str(ddir), seed=0, dtype="float32", max_length=512, stop_ids=[],
                       tp=2, device_type=device_type)
-        recs = tp.run_generate_tp_jobs(common, jobs)
+        recs = run_generate_tp_jobs(common, jobs)
         res = {"layer split = 1 device": dict(zip(names, (a == b for a, b in zip(one, split)))),
                "TP=2 = 1 device": dict(zip(names, (r.token_ids == b for r, b in zip(recs, ref))))}
         if symm and device_type == "cuda":  # the same through symmetric-memory all-reduces (must set up)
             os.environ["DDTREE_TP_SYMM"] = "require"
             try:
-                recs = tp.run_generate_tp_jobs(common, jobs)
+                recs = run_generate_tp_jobs(common, jobs)
                 res["TP=2 symm = 1 device"] = dict(zip(names, (r.token_ids == b for r, b in zip(recs, ref))))
             except Exception as e:
                 res["TP=2 symm = 1 device"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -95,7 +94,6 @@ def main():
     ap.add_argument("--preset", default="qwen3.6-27b", choices=sorted(PRESETS))
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--a6000-GBps", type=float, default=768.0)
     ap.add_argument("--out", default="results/multigpu.json")
     ap.add_argument("--no-exactness", action="store_true", help="skip the float32 token-equality check")
     ap.add_argument("--no-symm", action="store_true", help="skip the TP=2 row with symmetric-memory all-reduces")
@@ -104,15 +102,15 @@ def main():
         os.environ[k] = v
     mk_t, mk_d = PRESETS[a.preset]
     raw_t, raw_d = mk_t(), mk_d()
-    cfg = TargetConfig.from_dict(raw_t)
     prompt = torch.randint(10, 1000, (a.ctx,), generator=torch.Generator().manual_seed(0)).tolist()
     max_len = a.ctx + a.tokens + 512
-    out = {"gpu": torch.cuda.get_device_name(0), "n_gpus": torch.cuda.device_count(), "date": time.strftime("%Y-%m-%d")}
+    out = {"gpu": torch.cuda.get_device_name(0), "n_gpus": torch.cuda.device_count(), "date": time.strftime("%Y-%m-%d"),
+           "preset": a.preset, "ctx": a.ctx, "tokens": a.tokens}
     res = {}
     for name, devs in (("1 GPU", ["cuda:0"]), ("layer split", ["cuda:0", "cuda:1"])):
         t, d = build_random_on_devices(raw_t, raw_d, devs, torch.bfloat16, max_len)
         dec = Decoder(t, d)
-        res[name] = summarize([dec.generate(**tp._gen_kwargs({}, j)) for j in jobs_for(prompt, a.tokens)])
+        res[name] = summarize([dec.generate(**gen_kwargs({}, j)) for j in jobs_for(prompt, a.tokens)])
         print(name, {k: v for k, v in res[name].items() if "tokens" not in k}, file=sys.stderr, flush=True)
         del dec, t, d
         torch.cuda.empty_cache()
@@ -122,8 +120,8 @@ def main():
             continue
         os.environ["DDTREE_TP_SYMM"] = symm
         try:
-            recs = tp.run_tp(2, tp.bench_worker, raw_t, raw_d, "bfloat16", jobs_for(prompt, a.tokens), max_len, 0,
-                             None, device_type="cuda")
+            recs = run_tp(2, bench_worker, raw_t, raw_d, "bfloat16", jobs_for(prompt, a.tokens), max_len, 0,
+                          None, device_type="cuda")
         except Exception as e:  # report, do not hide: the NCCL row stands
             print(f"{name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
             continue
@@ -138,26 +136,12 @@ def main():
         r["ar_speedup_vs_1gpu"] = r["ar_tok_s"] / one["ar_tok_s"]
     for r in res.values():
         del r["ar_tokens"], r["ddtree_tokens"]
-    # projection for 2x RTX A6000 (768 GB/s each): per-rank bytes / bandwidth at the efficiency we
-    # measured on one H200 (achieved / copy bandwidth), plus the collectives' latency over PCIe.
-    wb = weight_bytes_per_token(cfg)
-    shard = tp.rank_bytes_per_token(cfg, 2)
     from scripts.bench_engine import copy_bandwidth
 
-    out["copy_GBps"] = copy_bandwidth() / 1e9
-    eff = (wb / (one["ar_ms_per_token"] * 1e-3)) / (out["copy_GBps"] * 1e9)
-    coll_us = 12.0  # assumed small-message all-reduce latency over PCIe (NCCL, 2 ranks)
-    proj_tp = 1e3 / (shard["weight_bytes"] / (a.a6000_GBps * 1e9 * eff) * 1e3 + shard["collectives"] * coll_us * 1e-3)
-    proj_split = 1e3 / (wb / (a.a6000_GBps * 1e9 * eff) * 1e3)
+    out["copy_GBps"] = copy_bandwidth() / 1e9  # scripts/project_a6000.py derates by the efficiency against it
     out["results"] = res
     if not a.no_exactness:
         out["exact_fp32"] = exactness(symm=not a.no_symm)
-    out["projection_2xA6000"] = {
-        "assumptions": f"per-rank weight bytes / ({a.a6000_GBps:.0f} GB/s x {eff:.2f} efficiency measured on H200); "
-                       f"{shard['collectives']} collectives per token at {coll_us:.0f} us each over PCIe; bf16 weights "
-                       f"({wb / 1e9:.1f} GB: needs both 48 GB cards)",
-        "layer_split_ar_tok_s": proj_split, "tp2_ar_tok_s": proj_tp,
-    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(f"\n== {out['gpu']} x{out['n_gpus']}  {out['date']}  {a.preset}, {a.ctx} context, random bf16 weights")
@@ -170,9 +154,7 @@ def main():
     for name, eq in out.get("exact_fp32", {}).items():
         print(f"float32 greedy tokens, {name}: " + ", ".join(
             f"{m} {ok}" if m == "error" else f"{m} {'same' if ok else 'DIFFER'}" for m, ok in eq.items()))
-    p = out["projection_2xA6000"]
-    print(f"projection 2x RTX A6000: layer split {p['layer_split_ar_tok_s']:.1f} tok/s, TP=2 {p['tp2_ar_tok_s']:.1f} tok/s "
-          f"({p['assumptions']})")
+    print(f"2x RTX A6000 projection: python scripts/project_a6000.py ENGINE.json {a.out} [TP_RANK.json]")
 
 
 if __name__ == "__main__":

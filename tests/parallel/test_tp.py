@@ -14,15 +14,9 @@ from ddtree.decode.decoder import Decoder
 from ddtree.errors import DDTreeError
 from ddtree.decode.sampling import SamplingParams
 from ddtree.model.synthetic import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
-from ddtree.parallel.tp import (
-    rank_bytes_per_token,
-    run_generate_tp,
-    run_tp,
-    shard_config,
-    shard_plan,
-    shard_state_dict,
-    load_target_shard,
-)
+from ddtree.parallel.launch import run_tp
+from ddtree.parallel.sharding import load_target_shard, rank_bytes_per_token, shard_config, shard_plan, shard_state_dict
+from ddtree.parallel.workers import run_generate_tp
 from ddtree.ops.tree import ancestor_mask_from_parents
 
 W = 2
@@ -220,7 +214,7 @@ def test_tp_nccl_generate_matches_single_gpu(pair_dirs, use_graphs, symm, monkey
     common = dict(target=str(tdir), drafter=str(ddir), budget=8, max_new_tokens=24, seed=0, dtype="float32",
                   max_length=512, prompt_ids=PROMPT, stop_ids=[], tp=W, device_type="cuda", use_graphs=use_graphs)
     jobs = [{"method": m} for m in ("ar", "dflash", "ddtree")]
-    from ddtree.parallel.tp import run_generate_tp_jobs
+    from ddtree.parallel.workers import run_generate_tp_jobs
 
     recs = run_generate_tp_jobs(common, jobs)
     for job, rec in zip(jobs, recs):
