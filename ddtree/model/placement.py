@@ -46,6 +46,11 @@ def gpu_of(device: str) -> str:
     return "cuda:0" if d == "cuda" else d
 
 
+def graphs_on(wl: Workload, devices: Sequence[Any]) -> bool:
+    """Whether rounds run as CUDA graphs: as the Decoder decides, when every stage is on one GPU."""
+    return wl.graphs if wl.graphs is not None else len({gpu_of(x) for x in devices}) == 1
+
+
 # ============================================================================================
 # per-stage accounting
 # ============================================================================================
@@ -175,6 +180,7 @@ class Split:
     capacities: dict[str, int] | None
     gpus: dict[str, dict[str, int]] = field(default_factory=dict)  # gpu -> row -> bytes (+ 'total')
     reads: list[int] = field(default_factory=list)  # per stage
+    peak_phase: dict[str, str] = field(default_factory=dict)  # gpu -> the phase of its activations row
     fits: bool = True
 
     @property
@@ -193,7 +199,7 @@ class Split:
 
 
 def gpu_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, bounds: list[int], devices: Sequence[Any],
-             drafter_stage: int | None, wl: Workload) -> dict[str, dict[str, int]]:
+             drafter_stage: int | None, wl: Workload, peak_phase: dict | None = None) -> dict[str, dict[str, int]]:
     """Per GPU: the exact rows summed over its stages, then the estimates and the total.
 
     bounds: stage j holds layers [bounds[j], bounds[j + 1]); fewer than len(devices) + 1 entries
@@ -202,9 +208,10 @@ def gpu_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, bounds: l
     (CUDA graphs: one GPU): every captured graph keeps a private pool as large as its forward's
     peak; a verify and a draft graph per context bucket, for `graph_buckets` buckets (graphs of
     earlier buckets stay captured: long generations hold more). workspace: the fixed allowance +
-    the slack fraction of the rest + the CUDA context."""
+    the slack fraction of the rest + the CUDA context. peak_phase (a dict) gets each GPU's
+    largest phase."""
     D = len(devices)
-    graphs = wl.graphs if wl.graphs is not None else len({gpu_of(x) for x in devices}) == 1
+    graphs = graphs_on(wl, devices)
     out: dict[str, dict[str, int]] = {}
     phases: dict[str, dict[str, list[int]]] = {}
     for j in range(len(bounds) - 1):
@@ -224,6 +231,8 @@ def gpu_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, bounds: l
     for g, acc in out.items():
         ph = phases[g]
         acc["activations"] = max(h + w for h, w in ph.values())
+        if peak_phase is not None:
+            peak_phase[g] = max(ph, key=lambda k: sum(ph[k]))
         acc["graph pools"] = (wl.graph_buckets * sum(sum(ph.get(k, (0, 0))) for k in ("verify", "draft"))
                               if graphs else 0)
         acc["workspace"] = wl.workspace + wl.context + int(wl.slack * sum(acc.values()))
@@ -331,7 +340,7 @@ def place(cfg: TargetConfig, d: DrafterConfig | None, devices: Sequence[Any], wl
     _, ds, b = sol
     split = Split(devices=devices, stages=[Stage(str(devices[j]), b[j], b[j + 1]) for j in range(D)],
                   drafter_stage=ds, workload=wl, capacities=caps)
-    split.gpus = gpu_rows(cfg, d, lay, b, devices, ds, wl)
+    split.gpus = gpu_rows(cfg, d, lay, b, devices, ds, wl, split.peak_phase)
     split.reads = [stage_read(cfg, d, lay, b[j], b[j + 1], j == D - 1, j == ds, wl) for j in range(D)]
     split.fits = fits and not split.over()
     return split
