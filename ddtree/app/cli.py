@@ -404,6 +404,33 @@ def bench(
 
 
 # ============================================================================================
+# plan (ddtree.app.plan)
+# ============================================================================================
+
+
+@app.command()
+@_guarded
+def plan(
+    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model: local directory or hub id (only config.json is read)."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="DFlash drafter: local directory or hub id."),
+    devices: Optional[str] = typer.Option(None, "--devices", help="cuda:0,cuda:1 (entries may repeat) (default: one per --gpu-memory entry, else cuda:0)."),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory per GPU: 2x48GiB, 48GiB,48GiB, 80GB (default: the visible GPUs' total)."),
+    max_length: Optional[int] = typer.Option(None, "--max-length", help="State length to plan for (default: the model's max_position_embeddings)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16)."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Draft-tree nodes per round, or auto (default: 32)."),
+    attention: str = typer.Option("auto", "--attention", help="SDPA path of the masked attention: math (torch's fallback: A6000, A100), fused (cuDNN: H100/H200), auto (ask the visible GPUs; math with --gpu-memory)."),
+    config: Optional[Path] = _opt_config(),
+    verbose: bool = _opt_verbose(),
+):
+    """Memory plan from the configs alone: the layer split and each GPU's bytes; fails if it does not fit."""
+    from ddtree.app.plan import PLAN_DEFAULTS, run_plan
+
+    opts = _merge(config, dict(target=target, drafter=drafter, devices=devices, max_length=max_length, dtype=dtype,
+                               budget=budget), PLAN_DEFAULTS)
+    run_plan(opts, gpu_memory, attention, setup=lambda: _setup_logging(verbose))
+
+
+# ============================================================================================
 # plot
 # ============================================================================================
 
