@@ -293,7 +293,7 @@ def run_generate(opts: dict, prompt: Optional[str], limit: Optional[int] = None,
         for rec in records:
             print(_summary(rec, budget), file=sys.stderr, flush=True)
     else:
-        loaded = load_models(spec, max_len, method != "ar", _set_stage)
+        loaded = load_models(spec, max_len, method != "ar", _set_stage, room=room)
         decode_text = decode_text_fn(spec.tokenizer)
         for i, (p, ids) in enumerate(encoded):
             if len(encoded) > 1:

@@ -260,3 +260,16 @@ def test_plan_for_devices_against_free_memory(monkeypatch):
     split = plan_for_devices(T, D, devs, 8192, "bfloat16", room=33)
     assert len(split.layer_devices) == T.num_layers and split.drafter_device == "cuda:1"
     assert split.workload.context == 0 and split.workload.attention == "math" and split.workload.verify_nodes == 33
+
+
+def test_load_models_plans_before_reading_weights(monkeypatch, tmp_path):
+    from ddtree.app import bench
+
+    calls = []
+    monkeypatch.setattr(planmod, "plan_for_devices", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
+        DDTreeError("does not fit")))
+    monkeypatch.setattr(bench, "load_target", lambda *a, **k: pytest.fail("weights read before the plan"))
+    spec = bench.ModelSpec(target_ref=NAME, target_dir=tmp_path, target_cfg=T, drafter_cfg=D, devices=["cuda:0"])
+    with pytest.raises(DDTreeError, match="does not fit"):
+        bench.load_models(spec, 4096, True, room=33)
+    assert calls and calls[0][1] is D and calls[0][3] == 4096
