@@ -212,7 +212,7 @@ def format_plan(plan: MemoryPlan) -> str:
         if any(vals) or r in ESTIMATE_ROWS:
             table.append([ROW_LABELS[r]] + [_gib(v) if v else "-" for v in vals])
         if r == "activations":
-            table.append(["    peak in"] + [PHASES[split.peak_phase[g]] for g in gpus])
+            table.append(["    peak in"] + [PHASES[split.peak_phase(g)] for g in gpus])
     table.append(["total"] + [_gib(split.gpus[g]["total"]) for g in gpus])
     table.append([f"capacity ({plan.capacity_kind})"] + [_gib(plan.capacities[g]) for g in gpus])
     table.append(["free after"] + [_gib(plan.free_after(g)) for g in gpus])

@@ -180,8 +180,12 @@ class Split:
     capacities: dict[str, int] | None
     gpus: dict[str, dict[str, int]] = field(default_factory=dict)  # gpu -> row -> bytes (+ 'total')
     reads: list[int] = field(default_factory=list)  # per stage
-    peak_phase: dict[str, str] = field(default_factory=dict)  # gpu -> the phase of its activations row
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # gpu -> phase -> transient bytes
     fits: bool = True
+
+    def peak_phase(self, gpu: str) -> str:
+        """The phase of a generation that sets the GPU's activations row."""
+        return max(self.phases[gpu], key=self.phases[gpu].get)
 
     @property
     def layer_devices(self) -> list[Any]:
@@ -199,7 +203,7 @@ class Split:
 
 
 def gpu_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, bounds: list[int], devices: Sequence[Any],
-             drafter_stage: int | None, wl: Workload, peak_phase: dict | None = None) -> dict[str, dict[str, int]]:
+             drafter_stage: int | None, wl: Workload, phases_out: dict | None = None) -> dict[str, dict[str, int]]:
     """Per GPU: the exact rows summed over its stages, then the estimates and the total.
 
     bounds: stage j holds layers [bounds[j], bounds[j + 1]); fewer than len(devices) + 1 entries
@@ -208,8 +212,8 @@ def gpu_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, bounds: l
     (CUDA graphs: one GPU): every captured graph keeps a private pool as large as its forward's
     peak; a verify and a draft graph per context bucket, for `graph_buckets` buckets (graphs of
     earlier buckets stay captured: long generations hold more). workspace: the fixed allowance +
-    the slack fraction of the rest + the CUDA context. peak_phase (a dict) gets each GPU's
-    largest phase."""
+    the slack fraction of the rest + the CUDA context. phases_out (a dict) gets each GPU's
+    transient bytes per phase."""
     D = len(devices)
     graphs = graphs_on(wl, devices)
     out: dict[str, dict[str, int]] = {}
@@ -231,8 +235,8 @@ def gpu_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, bounds: l
     for g, acc in out.items():
         ph = phases[g]
         acc["activations"] = max(h + w for h, w in ph.values())
-        if peak_phase is not None:
-            peak_phase[g] = max(ph, key=lambda k: sum(ph[k]))
+        if phases_out is not None:
+            phases_out[g] = {k: h + w for k, (h, w) in ph.items()}
         acc["graph pools"] = (wl.graph_buckets * sum(sum(ph.get(k, (0, 0))) for k in ("verify", "draft"))
                               if graphs else 0)
         acc["workspace"] = wl.workspace + wl.context + int(wl.slack * sum(acc.values()))
@@ -340,7 +344,7 @@ def place(cfg: TargetConfig, d: DrafterConfig | None, devices: Sequence[Any], wl
     _, ds, b = sol
     split = Split(devices=devices, stages=[Stage(str(devices[j]), b[j], b[j + 1]) for j in range(D)],
                   drafter_stage=ds, workload=wl, capacities=caps)
-    split.gpus = gpu_rows(cfg, d, lay, b, devices, ds, wl, split.peak_phase)
+    split.gpus = gpu_rows(cfg, d, lay, b, devices, ds, wl, split.phases)
     split.reads = [stage_read(cfg, d, lay, b[j], b[j + 1], j == D - 1, j == ds, wl) for j in range(D)]
     split.fits = fits and not split.over()
     return split
