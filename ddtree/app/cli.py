@@ -1,4 +1,4 @@
-"""The ``ddtree`` command line: ``generate``, ``bench``, ``plot``, ``selftest``.
+"""The ``ddtree`` command line: ``generate``, ``bench``, ``plan``, ``plot``, ``selftest``.
 
 Every command takes ``--config FILE`` (TOML, ``ddtree.app.settings``); flags given on the command
 line override the file, the file overrides the defaults. Options a file can set therefore
@@ -548,7 +548,7 @@ def _version(value: bool):
 def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ):
-    """Exact DDTree speculative decoding: ddtree generate | bench | plot | selftest."""
+    """Exact DDTree speculative decoding: ddtree generate | bench | plan | plot | selftest."""
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -311,7 +311,9 @@ def place(cfg: TargetConfig, d: DrafterConfig | None, devices: Sequence[Any], wl
     gpu_of gives them) every GPU must fit. The drafter goes to the stage that gives the smallest
     largest read among those that fit; the last stage (beside the lm_head it borrows, where the
     taps already are) unless another is better by more than 1%. If nothing fits, the split is the
-    unconstrained one with fits=False (the table then says by how much each GPU is over)."""
+    unconstrained one with fits=False (the table then says by how much each GPU is over). For
+    distinct GPUs the split found is the best that fits (see _greedy); with stages sharing a GPU
+    it is a greedy one, and fits is checked on the whole split."""
     devices = list(devices)
     if not devices:
         raise ValueError("no devices")

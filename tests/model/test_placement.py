@@ -114,8 +114,7 @@ def test_stages_on_one_gpu_share_it():
               "drafter weights", "activations", "graph pools"):
         assert rows[r] == one[r], r
     assert abs(two.reads[0] - two.reads[1]) < 2 * GiB
-    with pytest.raises(AssertionError):  # and it must fit the one GPU's capacity
-        assert place(T, D, ["cuda:0", "cuda:0"], wl, {"cuda:0": 60 * GiB}).fits
+    assert not place(T, D, ["cuda:0", "cuda:0"], wl, {"cuda:0": 60 * GiB}).fits  # the one GPU's capacity holds both
 
 
 def test_split_layers_is_contiguous_and_keeps_the_device_objects():
