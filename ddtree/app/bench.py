@@ -252,20 +252,27 @@ def check_length(n_prompt: int, max_new_tokens: int, room: int, max_length: int 
     return max_length
 
 
-def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callable[[str], None] | None = None) -> Loaded:
+def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callable[[str], None] | None = None,
+                room: int | None = None) -> Loaded:
+    from ddtree.app.plan import plan_for_devices
     from ddtree.decode.decoder import Decoder
     from ddtree.options import Options
 
     stage = stage or (lambda s: None)
     dev_names = ",".join(str(d) for d in spec.devices)
+    stage("planning memory")  # before any weight is read: one error line naming what fits (None on CPU)
+    split = plan_for_devices(spec.target_cfg, spec.drafter_cfg if with_drafter else None, spec.devices, max_len,
+                             spec.dtype, room, name=spec.target_ref)
     stage("loading the target")
     logger.info(f"loading target {spec.target_ref} ({str(spec.dtype).replace('torch.', '')}, {dev_names}, max length {max_len})")
-    target, _ = load_target(str(spec.target_dir), spec.devices, spec.dtype, max_len)
+    target, _ = load_target(str(spec.target_dir), spec.devices, spec.dtype, max_len,
+                            layer_devices=split.layer_devices if split else None)
     drafter = None
     if with_drafter and spec.drafter_dir is not None:
         stage("loading the drafter")
         logger.info(f"loading drafter {spec.drafter_ref} (block size {spec.block_size})")
-        drafter, _ = load_drafter(str(spec.drafter_dir), target, spec.dtype, max_len)
+        drafter, _ = load_drafter(str(spec.drafter_dir), target, spec.dtype, max_len,
+                                  device=split.drafter_device if split else None)
     return Loaded(spec=spec, decoder=Decoder(target, drafter, max_len=max_len, options=Options.from_env()), max_len=max_len)
 
 
@@ -423,7 +430,7 @@ def run_bench(
     longest = max(len(ids) for _, ids in encoded)
     room = max(tree_room(m, b, spec.block_size) for m in meths for b in (buds if m == "ddtree" else [None]))
     max_len = check_length(longest, max_new_tokens, room, max_length, what="the longest prompt")
-    loaded = load_models(spec, max_len, need_drafter, stage)
+    loaded = load_models(spec, max_len, need_drafter, stage, room=room)
     dec = loaded.decoder
     decode_text = decode_text_fn(spec.tokenizer)
     plan = [(m, b) for m in meths for b in (buds if m == "ddtree" else [None])]

@@ -1,4 +1,4 @@
-"""The ``ddtree`` command line: ``generate``, ``bench``, ``plot``, ``selftest``.
+"""The ``ddtree`` command line: ``generate``, ``bench``, ``plan``, ``plot``, ``selftest``.
 
 Every command takes ``--config FILE`` (TOML, ``ddtree.app.settings``); flags given on the command
 line override the file, the file overrides the defaults. Options a file can set therefore
@@ -293,7 +293,7 @@ def run_generate(opts: dict, prompt: Optional[str], limit: Optional[int] = None,
         for rec in records:
             print(_summary(rec, budget), file=sys.stderr, flush=True)
     else:
-        loaded = load_models(spec, max_len, method != "ar", _set_stage)
+        loaded = load_models(spec, max_len, method != "ar", _set_stage, room=room)
         decode_text = decode_text_fn(spec.tokenizer)
         for i, (p, ids) in enumerate(encoded):
             if len(encoded) > 1:
@@ -401,6 +401,33 @@ def bench(
     opts = {k: v for k, v in opts.items() if k not in ("method", "budget")}  # generate-only keys of a shared config
     opts.update(limit=limit, warmup=warmup, top1_first=top1_first)
     run_bench(**opts, stage=_set_stage)
+
+
+# ============================================================================================
+# plan (ddtree.app.plan)
+# ============================================================================================
+
+
+@app.command()
+@_guarded
+def plan(
+    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model: local directory or hub id (only config.json is read)."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="DFlash drafter: local directory or hub id."),
+    devices: Optional[str] = typer.Option(None, "--devices", help="cuda:0,cuda:1 (entries may repeat) (default: one per --gpu-memory entry, else cuda:0)."),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory per GPU: 2x48GiB, 48GiB,48GiB, 80GB (default: the visible GPUs' total)."),
+    max_length: Optional[int] = typer.Option(None, "--max-length", help="State length to plan for (default: the model's max_position_embeddings)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16)."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Draft-tree nodes per round, or auto (default: 32)."),
+    attention: str = typer.Option("auto", "--attention", help="SDPA path of the masked attention: math (torch's fallback: A6000, A100), fused (cuDNN: H100/H200), auto (ask the visible GPUs; math with --gpu-memory)."),
+    config: Optional[Path] = _opt_config(),
+    verbose: bool = _opt_verbose(),
+):
+    """Memory plan from the configs alone: the layer split and each GPU's bytes; fails if it does not fit."""
+    from ddtree.app.plan import PLAN_DEFAULTS, run_plan
+
+    opts = _merge(config, dict(target=target, drafter=drafter, devices=devices, max_length=max_length, dtype=dtype,
+                               budget=budget), PLAN_DEFAULTS)
+    run_plan(opts, gpu_memory, attention, setup=lambda: _setup_logging(verbose))
 
 
 # ============================================================================================
@@ -521,7 +548,7 @@ def _version(value: bool):
 def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ):
-    """Exact DDTree speculative decoding: ddtree generate | bench | plot | selftest."""
+    """Exact DDTree speculative decoding: ddtree generate | bench | plan | plot | selftest."""
 
 
 if __name__ == "__main__":  # pragma: no cover

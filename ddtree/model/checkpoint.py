@@ -175,15 +175,18 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return table[name]
 
 
-def load_target(ref: str, devices: list[torch.device], dtype: torch.dtype, max_len: int):
-    """-> (TargetModel with state allocated, model_dir)."""
-    from ddtree.model.target import TargetModel, split_layers
+def load_target(ref: str, devices: list[torch.device], dtype: torch.dtype, max_len: int,
+                layer_devices: list[torch.device] | None = None):
+    """-> (TargetModel with state allocated, model_dir). layer_devices: one of devices per layer
+    (ddtree.app.plan's split), else ddtree.model.placement.split_layers."""
+    from ddtree.model.placement import split_layers
+    from ddtree.model.target import TargetModel
 
     model_dir = resolve_model_dir(ref, "target")
     cfg = TargetConfig.from_file(model_dir / "config.json")
     with torch.device("meta"), NoInit():
         model = TargetModel(cfg)
-    placement = split_layers(cfg, devices)
+    placement = layer_devices or split_layers(cfg, devices, max_len, dtype)
 
     def device_of(name: str):
         if name.startswith("layers."):

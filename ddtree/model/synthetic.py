@@ -260,13 +260,16 @@ def build_random_on_devices(raw_target: dict, raw_drafter: dict | None, devices,
     from ddtree.model.config import DrafterConfig
     from ddtree.model.drafter import DFlashDrafter
     from ddtree.model.checkpoint import NoInit
-    from ddtree.model.target import TargetModel, split_layers
+    from ddtree.model.placement import Workload, place
+    from ddtree.model.target import TargetModel
 
     devices = [torch.device(d) for d in devices]
     cfg = TargetConfig.from_dict(raw_target)
     with torch.device("meta"), NoInit():
         target = TargetModel(cfg)
-    placement = split_layers(cfg, devices)
+    dcfg = DrafterConfig.from_dict(raw_drafter, cfg.num_layers) if raw_drafter is not None else None
+    split = place(cfg, dcfg, devices, Workload(max_len=max_len, dtype=dtype))
+    placement = split.layer_devices
     target.embed_tokens.to_empty(device=devices[0])
     for layer, dev in zip(target.layers, placement):
         layer.to_empty(device=dev)
@@ -279,10 +282,9 @@ def build_random_on_devices(raw_target: dict, raw_drafter: dict | None, devices,
     target.allocate_state(max_len)
     drafter = None
     if raw_drafter is not None:
-        dcfg = DrafterConfig.from_dict(raw_drafter, cfg.num_layers)
         with torch.device("meta"), NoInit():
             drafter = DFlashDrafter(dcfg)
-        drafter.to_empty(device=devices[-1])
+        drafter.to_empty(device=split.drafter_device)
         drafter.to(dtype)
         init_on_device_(drafter, seed + 1)
         for p in drafter.parameters():

@@ -1,0 +1,361 @@
+"""Where the target's layers and the drafter go: contiguous layers per stage, the embedding on the
+first stage, the final norm and lm_head on the last, the drafter on the stage where it costs least.
+
+A stage is one entry of --devices; entries may repeat ("cuda:0,cuda:0": two stages on one GPU),
+and stages on the same GPU share its capacity. The split balances the bytes a decode step reads
+per stage (weights + K/V at max_len + states, ddtree.model.memory) while every GPU holds its
+stages' weights and state, the transient peaks of a forward and the reserves (`gpu_rows`). Configs
+only: nothing here allocates or imports torch.
+
+    split = place(cfg, drafter_cfg, ["cuda:0", "cuda:1"], Workload(max_len=131072), capacities)
+    split.layer_devices   # one entry of devices per layer
+    split.drafter_device  # an entry of devices, or None without a drafter
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ddtree.model import memory as mem
+from ddtree.model.config import DrafterConfig, TargetConfig
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the state and the transients are sized for (defaults: the decoder's today)."""
+
+    max_len: int
+    dtype: Any = "bfloat16"
+    attention: str = "math"  # SDPA path of masked GQA: 'math' or 'fused' (ddtree.model.memory.ATTENTION_PATHS)
+    tree_capacity: int = 256  # nodes one target forward may hold (TargetModel.allocate_state's default)
+    prefill_chunk: int = 256  # Decoder.generate's prefill chunk on CUDA (capped by tree_capacity)
+    verify_nodes: int = 33  # nodes of the largest tree verified (budget + root; --budget 32 by default)
+    graphs: bool | None = None  # CUDA graphs: None = when every stage is on one GPU (Decoder's rule)
+    graph_buckets: int = 2  # context buckets whose captured graphs are alive at once (see gpu_rows)
+    workspace: int = GiB  # per GPU: cuBLAS / cuDNN workspaces, Triton and inductor kernel images
+    slack: float = 0.02  # per GPU, of everything else: allocator rounding and fragmentation
+    context: int = 0  # per GPU: the CUDA context, when capacities are total (not free) memory
+
+
+def gpu_of(device: str) -> str:
+    """The physical GPU of a stage's device string ('cuda' is cuda:0)."""
+    d = str(device).strip()
+    return "cuda:0" if d == "cuda" else d
+
+
+def graphs_on(wl: Workload, devices: Sequence[Any]) -> bool:
+    """Whether rounds run as CUDA graphs: as the Decoder decides, when every stage is on one GPU."""
+    return wl.graphs if wl.graphs is not None else len({gpu_of(x) for x in devices}) == 1
+
+
+# ============================================================================================
+# per-stage accounting
+# ============================================================================================
+
+
+@dataclass
+class _Layers:
+    """Per-layer figures as prefix sums (a stage's sum is two lookups), once per (config, workload)."""
+
+    kinds: list[str]
+    weights: dict[str, list[int]]  # part -> prefix sums of bytes per layer
+    read: list[int]  # prefix sums of the bytes one decode step reads per layer
+    attn: list[int]  # prefix counts of attention layers
+
+    def sum(self, pre: list[int], start: int, end: int) -> int:
+        return pre[end] - pre[start]
+
+
+def _layers(cfg: TargetConfig, wl: Workload) -> _Layers:
+    dt = mem.dtype_bytes(wl.dtype)
+    parts: dict[str, list[int]] = {"GDN": [], "attention": [], "MLP": [], "norms": []}
+    for k in cfg.layer_types:
+        n = mem.layer_weight_numel(cfg, k)
+        parts["GDN"].append(n["mixer"] * dt if k == mem.GDN else 0)
+        parts["attention"].append(n["mixer"] * dt if k == mem.ATTN else 0)
+        parts["MLP"].append(n["mlp"] * dt)
+        parts["norms"].append(n["norms"] * dt + mem.layer_prepared_bytes(cfg, k))
+    read = [mem.layer_read_bytes(cfg, k, wl.max_len, wl.dtype) for k in cfg.layer_types]
+    attn = [int(k == mem.ATTN) for k in cfg.layer_types]
+    return _Layers(list(cfg.layer_types), {p: _prefix(v) for p, v in parts.items()}, _prefix(read), _prefix(attn))
+
+
+def _prefix(xs: list[int]) -> list[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
+
+
+#: row names of a device's table, in order; EXACT rows first, then the estimates
+EXACT_ROWS = ("GDN weights", "attention weights", "MLP weights", "norms", "embedding", "final norm + lm_head",
+              "drafter weights", "K/V cache", "GDN states", "GDN tree scratch", "rope tables", "drafter K/V + rope")
+ESTIMATE_ROWS = ("activations", "graph pools", "workspace")
+WEIGHT_ROWS = EXACT_ROWS[:7]
+
+
+def stage_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, start: int, end: int, first: bool,
+               last: bool, drafter: bool, wl: Workload) -> dict[str, int]:
+    """The exact bytes one stage holds: its layers' weights by part, its extras, its state (the
+    rope tables are per GPU: gpu_rows)."""
+    dt = wl.dtype
+    rows = {r: 0 for r in EXACT_ROWS}
+    for part in ("GDN", "attention", "MLP", "norms"):
+        rows[f"{part} weights" if part != "norms" else "norms"] = lay.sum(lay.weights[part], start, end)
+    n_attn = lay.sum(lay.attn, start, end)
+    n_gdn = end - start - n_attn
+    if first:
+        rows["embedding"] = mem.embedding_bytes(cfg, dt)
+    if last:
+        rows["final norm + lm_head"] = mem.head_bytes(cfg, dt) + mem.head_prepared_bytes(cfg)
+    if drafter and d is not None:
+        rows["drafter weights"] = mem.drafter_weight_bytes(d, dt)
+        rows["drafter K/V + rope"] = sum(mem.drafter_state_bytes(d, wl.max_len, dt).values())
+    rows["K/V cache"] = mem.kv_cache_bytes(cfg, n_attn, wl.max_len, dt)
+    g = mem.gdn_group_bytes(cfg, n_gdn, dt, wl.tree_capacity)
+    rows["GDN states"] = g["conv"] + g["recurrent"]
+    rows["GDN tree scratch"] = g["scratch"]
+    return rows
+
+
+def stage_read(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, start: int, end: int, last: bool,
+               drafter: bool, wl: Workload) -> int:
+    """Bytes one decode step (a verify, and a drafter round) reads on the stage."""
+    r = lay.sum(lay.read, start, end)
+    if last:
+        r += mem.head_read_bytes(cfg, wl.dtype)
+    if drafter and d is not None:
+        r += mem.drafter_read_bytes(d, wl.max_len, wl.dtype)
+    return r
+
+
+def _phases(cfg: TargetConfig, d: DrafterConfig | None, has_attn: bool, last: bool, drafter: bool,
+            wl: Workload) -> dict[str, tuple[int, int]]:
+    """Transient bytes of one stage per phase of a generation, as (held, working): held tensors
+    add up over the stages of one GPU, working ones do not (one stage computes at a time).
+
+    prefill: a chunk's forward at S = max_len; the last stage holds the prompt's taps so far
+      (TargetModel.prefill keeps them for the drafter), then concatenates them (twice, briefly).
+    context: the drafter's add_context over the whole prompt (the last stage keeps its copy of
+      the taps when the drafter is elsewhere).
+    verify / draft: a tree's forward (logits on the last stage) and a drafter round (its logits on
+      the lm_head's stage)."""
+    S, dt = wl.max_len, wl.dtype
+
+    def forward(T: int) -> int:
+        attn = mem.sdpa_workspace_bytes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, T, S, dt, wl.attention)
+        return mem.step_mask_bytes(T, S) + mem.activation_bytes(cfg, T) + (attn if has_attn else 0)
+
+    Tp = min(wl.prefill_chunk, wl.tree_capacity)
+    Tv = min(wl.verify_nodes, wl.tree_capacity)
+    taps = mem.prefill_taps_bytes(cfg, d, S, dt) if d is not None else 0
+    ph = {"prefill": (taps if last else 0, forward(Tp)), "concat": (2 * taps if last else 0, 0),
+          "verify": (mem.logits_bytes(cfg, Tv, dt) if last else 0, forward(Tv))}
+    if d is not None:
+        ctx = mem.drafter_context_bytes(cfg, d, S, dt) if drafter else 0
+        ph["context"] = (taps if last and not drafter else 0, ctx)
+        ph["draft"] = (mem.logits_bytes(cfg, d.block_size - 1, dt) if last else 0,
+                       mem.drafter_round_bytes(cfg, d, S, dt, wl.attention) if drafter else 0)
+    return ph
+
+
+@dataclass
+class Stage:
+    device: str
+    start: int  # layers [start, end)
+    end: int
+
+
+@dataclass
+class Split:
+    """A placement: stages (layer ranges), the drafter's stage, and per GPU its bytes."""
+
+    devices: list[Any]  # as given (strings or torch devices)
+    stages: list[Stage]
+    drafter_stage: int | None
+    workload: Workload
+    capacities: dict[str, int] | None
+    gpus: dict[str, dict[str, int]] = field(default_factory=dict)  # gpu -> row -> bytes (+ 'total')
+    reads: list[int] = field(default_factory=list)  # per stage
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # gpu -> phase -> transient bytes
+    fits: bool = True
+
+    def peak_phase(self, gpu: str) -> str:
+        """The phase of a generation that sets the GPU's activations row."""
+        return max(self.phases[gpu], key=self.phases[gpu].get)
+
+    @property
+    def layer_devices(self) -> list[Any]:
+        return [self.devices[j] for j, s in enumerate(self.stages) for _ in range(s.start, s.end)]
+
+    @property
+    def drafter_device(self):
+        return None if self.drafter_stage is None else self.devices[self.drafter_stage]
+
+    def over(self) -> dict[str, int]:
+        """GPUs whose total exceeds their capacity -> bytes over."""
+        if not self.capacities:
+            return {}
+        return {g: r["total"] - self.capacities[g] for g, r in self.gpus.items() if r["total"] > self.capacities[g]}
+
+
+def gpu_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, bounds: list[int], devices: Sequence[Any],
+             drafter_stage: int | None, wl: Workload, phases_out: dict | None = None) -> dict[str, dict[str, int]]:
+    """Per GPU: the exact rows summed over its stages, then the estimates and the total.
+
+    bounds: stage j holds layers [bounds[j], bounds[j + 1]); fewer than len(devices) + 1 entries
+    is a partial split (the first stages, while placing). activations: the largest phase of
+    `_phases` (held bytes summed over the GPU's stages + the largest working term). graph pools
+    (CUDA graphs: one GPU): every captured graph keeps a private pool as large as its forward's
+    peak; a verify and a draft graph per context bucket, for `graph_buckets` buckets (graphs of
+    earlier buckets stay captured: long generations hold more). workspace: the fixed allowance +
+    the slack fraction of the rest + the CUDA context. phases_out (a dict) gets each GPU's
+    transient bytes per phase."""
+    D = len(devices)
+    graphs = graphs_on(wl, devices)
+    out: dict[str, dict[str, int]] = {}
+    phases: dict[str, dict[str, list[int]]] = {}
+    for j in range(len(bounds) - 1):
+        g = gpu_of(devices[j])
+        s, e = bounds[j], bounds[j + 1]
+        last, dr = j == D - 1, j == drafter_stage
+        acc = out.setdefault(g, {r: 0 for r in EXACT_ROWS})
+        for r, v in stage_rows(cfg, d, lay, s, e, j == 0, last, dr, wl).items():
+            acc[r] += v
+        if e > s:  # one cos / sin pair per device that holds layers (TargetModel._rope)
+            acc["rope tables"] = mem.target_rope_bytes(cfg, wl.max_len)
+        has_attn = lay.sum(lay.attn, s, e) > 0
+        for name, (held, work) in _phases(cfg, d, has_attn, last, dr, wl).items():
+            p = phases.setdefault(g, {}).setdefault(name, [0, 0])
+            p[0] += held
+            p[1] = max(p[1], work)
+    for g, acc in out.items():
+        ph = phases[g]
+        acc["activations"] = max(h + w for h, w in ph.values())
+        if phases_out is not None:
+            phases_out[g] = {k: h + w for k, (h, w) in ph.items()}
+        acc["graph pools"] = (wl.graph_buckets * sum(sum(ph.get(k, (0, 0))) for k in ("verify", "draft"))
+                              if graphs else 0)
+        acc["workspace"] = wl.workspace + wl.context + int(wl.slack * sum(acc.values()))
+        acc["total"] = sum(acc[r] for r in EXACT_ROWS + ESTIMATE_ROWS)
+    return out
+
+
+# ============================================================================================
+# the split
+# ============================================================================================
+
+
+def _greedy(cfg, d, lay, devices, drafter_stage, wl, caps, limit) -> list[int] | None:
+    """Stage by stage, the most layers that keep the stage's reads <= limit and its GPU within
+    capacity, leaving at least one layer to each later stage. -> stage bounds, or None.
+
+    Reads and bytes only grow with the layers a stage takes, so the largest end is found by
+    bisection; and for distinct GPUs taking the most is never worse for the stages after (they
+    are left fewer layers), which makes this an exact test of `limit`."""
+    L, D = len(lay.kinds), len(devices)
+
+    def ok(bounds: list[int]) -> bool:
+        j = len(bounds) - 2
+        lo, e = bounds[-2], bounds[-1]
+        if stage_read(cfg, d, lay, lo, e, j == D - 1, j == drafter_stage, wl) > limit:
+            return False
+        if caps is None:
+            return True
+        g = gpu_of(devices[j])
+        return gpu_rows(cfg, d, lay, bounds, devices, drafter_stage, wl)[g]["total"] <= caps[g]
+
+    bounds = [0]
+    for j in range(D - 1):
+        lo, hi = bounds[-1] + 1, L - (D - 1 - j)  # the end of stage j lies in [lo, hi]
+        if not ok(bounds + [lo]):
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ok(bounds + [mid]):
+                lo = mid
+            else:
+                hi = mid - 1
+        bounds.append(lo)
+    return bounds + [L] if ok(bounds + [L]) else None
+
+
+def _best_bounds(cfg, d, lay, devices, drafter_stage, wl, caps) -> list[int] | None:
+    """The bounds with the smallest largest-stage read that fit (bisection on the read limit,
+    to 0.01%)."""
+    if len(devices) > len(lay.kinds):
+        return None
+    hi = stage_read(cfg, d, lay, 0, len(lay.kinds), True, True, wl)
+    best = _greedy(cfg, d, lay, devices, drafter_stage, wl, caps, hi)
+    if best is None:
+        return None
+    lo = 0
+    while hi - lo > max(1, hi // 10_000):
+        mid = (lo + hi) // 2
+        b = _greedy(cfg, d, lay, devices, drafter_stage, wl, caps, mid)
+        if b is None:
+            lo = mid
+        else:
+            hi, best = mid, b
+    return best
+
+
+def place(cfg: TargetConfig, d: DrafterConfig | None, devices: Sequence[Any], wl: Workload,
+          capacities: dict[str, int] | None = None) -> Split:
+    """The split of cfg's layers over `devices` (one stage per entry) and the drafter's stage.
+
+    Balances the largest stage read per decode step; with `capacities` (bytes per GPU, keys as
+    gpu_of gives them) every GPU must fit. The drafter goes to the stage that gives the smallest
+    largest read among those that fit; the last stage (beside the lm_head it borrows, where the
+    taps already are) unless another is better by more than 1%. If nothing fits, the split is the
+    unconstrained one with fits=False (the table then says by how much each GPU is over). For
+    distinct GPUs the split found is the best that fits (see _greedy); with stages sharing a GPU
+    it is a greedy one, and fits is checked on the whole split."""
+    devices = list(devices)
+    if not devices:
+        raise ValueError("no devices")
+    lay = _layers(cfg, wl)
+    D = len(devices)
+    options = [None] if d is None else [D - 1] + list(range(D - 1))
+    caps = None if capacities is None else {gpu_of(x): capacities[gpu_of(x)] for x in devices}
+
+    def solve(cap):
+        found = []
+        for ds in options:
+            b = _best_bounds(cfg, d, lay, devices, ds, wl, cap)
+            if b is not None:
+                worst = max(stage_read(cfg, d, lay, b[j], b[j + 1], j == D - 1, j == ds, wl) for j in range(D))
+                found.append((worst, ds, b))
+        if not found:
+            return None
+        best = min(found, key=lambda f: f[0])
+        pref = found[0] if found[0][1] == options[0] else None  # the last stage, if it fits
+        return pref if pref is not None and pref[0] <= best[0] * 1.01 else best
+
+    sol = solve(caps)
+    fits = sol is not None
+    if sol is None:
+        sol = solve(None)
+    if sol is None:  # more stages than layers
+        bounds = [min(j, len(lay.kinds)) for j in range(D + 1)]
+        bounds[-1] = len(lay.kinds)
+        sol = (0, options[0], bounds)
+    _, ds, b = sol
+    split = Split(devices=devices, stages=[Stage(str(devices[j]), b[j], b[j + 1]) for j in range(D)],
+                  drafter_stage=ds, workload=wl, capacities=caps)
+    split.gpus = gpu_rows(cfg, d, lay, b, devices, ds, wl, split.phases)
+    split.reads = [stage_read(cfg, d, lay, b[j], b[j + 1], j == D - 1, j == ds, wl) for j in range(D)]
+    split.fits = fits and not split.over()
+    return split
+
+
+def split_layers(cfg: TargetConfig, devices: Sequence[Any], max_len: int = 4096, dtype: Any = "bfloat16",
+                 drafter_cfg: DrafterConfig | None = None, capacities: dict[str, int] | None = None) -> list[Any]:
+    """One entry of `devices` per layer: contiguous layers per device, reads balanced (see place)."""
+    if len(devices) == 1:
+        return [devices[0]] * cfg.num_layers
+    return place(cfg, drafter_cfg, devices, Workload(max_len=max_len, dtype=dtype), capacities).layer_devices
+

@@ -1,0 +1,275 @@
+"""The memory plan (ddtree.app.plan) on the exact Qwen3.6-27B + DFlash configs, `ddtree plan`, and
+the check `generate` / `bench` run before loading. CPU only, configs only.
+
+Figures these tests state (bf16, --budget 32, CUDA context and workspace reserved):
+  2 x 48 GiB, an attention kernel that takes the mask with GQA (cuDNN: H100/H200): 128K fits,
+    up to --max-length 199680.
+  2 x 48 GiB, torch's math SDPA fallback (what an RTX A6000 runs today): 128K does not fit;
+    up to 93184 (the fp32 K/V expanded to the query heads and the [h, T, S] scores of a prefill
+    chunk take ~17 GiB per GPU at 128K).
+  1 x 80 GB (74.5 GiB): up to 30720 with the math path, 86016 with a fused one.
+  2 x 24 GB: the weights alone (53.33 GiB) do not fit; 4 such GPUs hold 32K.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import REPO, cli_env
+from ddtree.app import plan as planmod
+from ddtree.app.cli import app
+from ddtree.app.plan import check_fits, format_plan, parse_gpu_memory, plan_for_devices, plan_memory
+from ddtree.errors import DDTreeError
+from ddtree.model import memory as mem
+from ddtree.model.config import DrafterConfig, TargetConfig
+from ddtree.model.placement import GiB, WEIGHT_ROWS, Workload, place
+from ddtree.model.presets import qwen36_27b_config, qwen36_27b_dflash_config
+
+T = TargetConfig.from_dict(qwen36_27b_config())
+D = DrafterConfig.from_dict(qwen36_27b_dflash_config(), T.num_layers)
+NAME = "Qwen/Qwen3.6-27B"
+
+
+def qplan(gpu_memory: str, max_len: int, attention: str, **kw):
+    caps = parse_gpu_memory(gpu_memory)
+    return plan_memory(T, D, [f"cuda:{i}" for i in range(len(caps))], caps, max_len, "bfloat16",
+                       attention=attention, name=NAME, **kw)
+
+
+def error_of(plan) -> str:
+    with pytest.raises(DDTreeError) as e:
+        check_fits(plan)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_weights_of_the_27b_pair():
+    """53.33 GiB of weights (50.10 target + 3.22 drafter), whatever the split."""
+    plan = qplan("2x48GiB", 4096, "fused", search=False)
+    weights = sum(r[k] for r in plan.split.gpus.values() for k in WEIGHT_ROWS)
+    fp32_copies = sum(mem.layer_prepared_bytes(T, k) for k in T.layer_types) + mem.head_prepared_bytes(T)
+    assert weights == mem.target_weight_bytes(T, "bfloat16") + mem.drafter_weight_bytes(D, "bfloat16") + fp32_copies
+    assert round(weights / GiB, 2) == 53.33
+
+
+def test_2x48gib_fits_128k_with_a_fused_attention_kernel():
+    plan = qplan("2x48GiB", 131072, "fused")
+    check_fits(plan)
+    assert plan.fits and plan.largest == 199680  # how far it fits: 1.52x the 128K asked for
+    split = plan.split
+    assert split.drafter_device == "cuda:1"
+    assert split.stages[0].start == 0 and split.stages[1].end == T.num_layers
+    for g, rows in split.gpus.items():
+        assert rows["total"] <= 48 * GiB
+    # the K/V of 128K: 16 attention layers x 131072 x 4 heads x 256 x 2 (K, V) x 2 bytes = 8 GiB
+    assert sum(r["K/V cache"] for r in split.gpus.values()) == 8 * GiB
+    # the bound found is the boundary: one step further does not fit
+    over = place(T, D, ["cuda:0", "cuda:1"], Workload(**{**split.workload.__dict__, "max_len": 199680 + 1024}),
+                 plan.capacities)
+    assert not over.fits
+
+
+def test_2x48gib_with_the_math_sdpa_path_refuses_128k_and_names_93184():
+    plan = qplan("2x48GiB", 131072, "math")
+    assert not plan.fits and plan.largest == 93184
+    msg = error_of(plan)
+    assert msg.startswith(f"{NAME} at --max-length 131072 needs ")
+    assert "the largest --max-length that fits these devices is 93184" in msg and "--max-length 93184" in msg
+    check_fits(qplan("2x48GiB", 93184, "math", search=False))
+
+
+def test_1x80gb():
+    """80 GB = 74.5 GiB, one GPU (CUDA graphs and their pools): the model's full 262144 refuses."""
+    for attention, largest in (("math", 30720), ("fused", 86016)):
+        plan = qplan("80GB", T.max_position_embeddings, attention)
+        assert plan.largest == largest
+        assert f"the largest --max-length that fits these devices is {largest}" in error_of(plan)
+        assert plan.split.gpus["cuda:0"]["graph pools"] > 0
+    check_fits(qplan("80GB", 32768, "fused"))
+
+
+def test_2x24gb_refuses_naming_how_many_gpus():
+    msg = error_of(qplan("2x24GB", 32768, "fused"))
+    assert "the weights alone (53.33 GiB) exceed 2 x 22.35 GiB" in msg
+    assert "4 x 22.35 GiB would hold it at this --max-length (--devices cuda:0,cuda:1,cuda:2,cuda:3)" in msg
+    msg = error_of(qplan("2x24GB", 1024, "math"))
+    assert "3 x 22.35 GiB would hold it" in msg and "--devices cuda:0,cuda:1,cuda:2)" in msg
+
+
+def test_format_plan_table():
+    plan = qplan("2x48GiB", 131072, "fused")
+    text = format_plan(plan)
+    lines = text.splitlines()
+    assert lines[0].startswith(f"memory plan: {NAME} (64 layers: 48 GDN + 16 attention) + 5-layer DFlash drafter")
+    header = next(ln for ln in lines if ln.split() == ["cuda:0", "cuda:1"])
+    assert header
+    for label in ("layers", "K/V cache", "GDN states", "GDN tree-verify scratch", "drafter K/V cache + rope",
+                  "~ activations", "~ CUDA-graph pools", "~ workspace", "total", "capacity (total)", "free after",
+                  "read per step (at 131072)"):
+        assert any(ln.startswith(label) for ln in lines), label
+    kv = next(ln for ln in lines if ln.startswith("K/V cache")).split()
+    n_attn = [T.layer_types[s.start:s.end].count("full_attention") for s in plan.split.stages]
+    assert kv[2:] == [f"{n / 2:.2f}" if i % 2 == 0 else "GiB" for n in n_attn for i in range(2)]  # 0.5 GiB a layer
+    layers = next(ln for ln in lines if ln.startswith("layers")).split()
+    assert layers[1:] == [f"{s.start}-{s.end - 1}" for s in plan.split.stages]
+    assert lines[-1].startswith("fits: ") and "the largest --max-length that fits is 199680 (1.52x the requested 131072)" in lines[-1]
+
+
+@pytest.mark.parametrize("spec,sizes", [("2x48GiB", [48 * GiB] * 2), ("48GiB,48GiB", [48 * GiB] * 2),
+                                        ("80GB", [80 * 10**9]), ("47.5GiB", [int(47.5 * GiB)]),
+                                        ("1x24GB, 2 x 16GiB", [24 * 10**9, 16 * GiB, 16 * GiB])])
+def test_parse_gpu_memory(spec, sizes):
+    assert parse_gpu_memory(spec) == sizes
+
+
+@pytest.mark.parametrize("spec", ["48G", "48", "0GiB", "", "2x", "fast"])
+def test_parse_gpu_memory_errors(spec):
+    with pytest.raises(DDTreeError):
+        parse_gpu_memory(spec)
+
+
+# ------------------------------------------------------------------------------------------ ddtree plan
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q36")
+    for sub, cfg in (("target", qwen36_27b_config()), ("drafter", qwen36_27b_dflash_config())):
+        (root / sub).mkdir()
+        (root / sub / "config.json").write_text(json.dumps(cfg))
+    return root
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, ["plan", *map(str, args)])
+
+
+def one_error_line(r) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 2, (r.exit_code, r.stdout, r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_cli_plan_prints_the_table(models):
+    r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
+               "--max-length", 131072, "--attention", "fused")
+    assert r.exit_code == 0, r.stderr
+    assert "cuda:0" in r.stdout and "cuda:1" in r.stdout and "K/V cache" in r.stdout and "free after" in r.stdout
+    assert "the largest --max-length that fits is 199680" in r.stdout
+    assert r.stderr.strip() == ""
+
+
+def test_cli_plan_that_does_not_fit(models):
+    """The table on stdout, then one error line: exit 2 (as generate would fail)."""
+    r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
+               "--max-length", 131072, "--attention", "math")
+    line = one_error_line(r)
+    assert "the largest --max-length that fits these devices is 93184" in line
+    assert "K/V cache" in r.stdout and "does not fit" in r.stdout
+
+
+def test_cli_plan_defaults_to_the_models_max_positions(models):
+    r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "8x80GB")
+    assert r.exit_code == 0, r.stderr
+    assert "--max-length 262144" in r.stdout.splitlines()[0]
+    assert "the model's maximum" in r.stdout
+    header = next(ln for ln in r.stdout.splitlines() if ln.split()[:1] == ["cuda:0"])
+    assert header.split() == [f"cuda:{i}" for i in range(8)]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gpu-memory", "48G"], "--gpu-memory entry '48G' is not a size"),
+    (["--gpu-memory", "2x48GiB", "--devices", "cpu"], "pass cuda:N entries"),
+    (["--gpu-memory", "3x48GiB", "--devices", "cuda:0,cuda:1"], "gives 3 sizes for 2 GPUs"),
+    (["--gpu-memory", "48GiB", "--attention", "flash"], "unknown --attention 'flash'"),
+    (["--gpu-memory", "48GiB", "--budget", "many"], "--budget 'many'"),
+    (["--gpu-memory", "48GiB", "--dtype", "int8"], "unknown --dtype 'int8'"),
+    (["--gpu-memory", "48GiB", "--max-length", "-5"], "--max-length -5"),
+])
+def test_cli_plan_bad_input_is_one_line(models, args, needle):
+    line = one_error_line(invoke("--target", models / "target", *args))
+    assert needle in line, line
+
+
+def test_cli_plan_bad_model_references(models, tmp_path, monkeypatch):
+    assert "no target model" in one_error_line(invoke("--gpu-memory", "48GiB"))
+    assert "not found" in one_error_line(invoke("--target", tmp_path / "nope", "--gpu-memory", "48GiB"))
+    assert "has no config.json" in one_error_line(invoke("--target", tmp_path, "--gpu-memory", "48GiB"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = one_error_line(invoke("--target", "no-such-org-xyz/no-such-model", "--gpu-memory", "48GiB"))
+    assert "not in the local Hugging Face cache" in line and "hf download no-such-org-xyz/no-such-model config.json" in line
+    bad = tmp_path / "wrong"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**qwen36_27b_dflash_config(), "hidden_size": 4096}))
+    assert "not trained for this target" in one_error_line(
+        invoke("--target", models / "target", "--drafter", bad, "--gpu-memory", "48GiB"))
+
+
+def test_cli_plan_without_gpus_or_sizes(models):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the plan would use it")
+    assert "no GPU is visible here: pass --gpu-memory" in one_error_line(invoke("--target", models / "target"))
+
+
+def test_cli_plan_imports_no_torch(models):
+    """From the configs alone: a plan imports no torch; a bad argument fails before torch and
+    transformers are imported (fast)."""
+    head = "import sys\nfrom typer.testing import CliRunner\nfrom ddtree.app.cli import app\n"
+    target = str(models / "target")
+    ok = f"r = CliRunner().invoke(app, ['plan', '--target', {target!r}, '--gpu-memory', '80GB', '--max-length', '4096'])\n"
+    bad = f"r = CliRunner().invoke(app, ['plan', '--target', {target!r}, '--gpu-memory', '80'])\n"
+    tail = "print(r.exit_code, 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+    for body, want in ((ok, "0 False"), (bad, "2 False False")):
+        r = subprocess.run([sys.executable, "-c", head + body + tail], capture_output=True, text=True, cwd=str(REPO),
+                           env=cli_env(), timeout=120)
+        assert r.stdout.startswith(want), r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------ before loading
+
+
+def test_plan_for_devices_skips_cpu():
+    assert plan_for_devices(T, D, ["cpu"], 4096, "float32") is None
+
+
+def test_plan_for_devices_against_free_memory(monkeypatch):
+    """The check generate / bench run: free memory per GPU (no CUDA context reserved: it exists),
+    the SDPA path the GPUs take; one line naming what fits, or the split to load with."""
+    seen = {}
+
+    def free(devices, kind):
+        seen["kind"] = kind
+        return {"cuda:0": 40 * GiB, "cuda:1": 40 * GiB}
+
+    monkeypatch.setattr(planmod, "gpu_capacities", free)
+    monkeypatch.setattr(planmod, "attention_path", lambda *a: "math")
+    devs = ["cuda:0", "cuda:1"]
+    with pytest.raises(DDTreeError) as e:
+        plan_for_devices(T, D, devs, 131072, "bfloat16", room=33, name=NAME)
+    msg = str(e.value)
+    assert seen["kind"] == "free" and "(40.00 GiB free)" in msg and "the largest --max-length that fits these devices is" in msg
+    split = plan_for_devices(T, D, devs, 8192, "bfloat16", room=33)
+    assert len(split.layer_devices) == T.num_layers and split.drafter_device == "cuda:1"
+    assert split.workload.context == 0 and split.workload.attention == "math" and split.workload.verify_nodes == 33
+
+
+def test_load_models_plans_before_reading_weights(monkeypatch, tmp_path):
+    from ddtree.app import bench
+
+    calls = []
+    monkeypatch.setattr(planmod, "plan_for_devices", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
+        DDTreeError("does not fit")))
+    monkeypatch.setattr(bench, "load_target", lambda *a, **k: pytest.fail("weights read before the plan"))
+    spec = bench.ModelSpec(target_ref=NAME, target_dir=tmp_path, target_cfg=T, drafter_cfg=D, devices=["cuda:0"])
+    with pytest.raises(DDTreeError, match="does not fit"):
+        bench.load_models(spec, 4096, True, room=33)
+    assert calls and calls[0][1] is D and calls[0][3] == 4096
