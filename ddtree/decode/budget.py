@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.decode.buffers import RoundOut, Slot
+from ddtree.model.drafter import DEFERRED_ROWS
 from ddtree.ops.tree import Tree
 
 AUTO_BUDGETS = (4, 8, 15, 32, 64)  # 15 draft nodes = the block-16 chain's verify size
 AUTO_TOPK = 32  # drafter top-k columns of auto's trees (a 64-node tree rarely needs a 33rd token per position)
 PLAIN_PROBE = 16  # auto: after this many plain steps in a row, one drafts again (a fresh E_q curve)
-PLAIN_PROBE_MAX = 64  # ... and after probes that did not pay, up to this many (doubling)
+PLAIN_PROBE_MAX = DEFERRED_ROWS  # ... and after probes that did not pay, up to this many (doubling; the
+#                                  drafter's cache has room for that many deferred context rows)
 CLIMB_EVERY = 8  # auto: two rounds in this many stage a tree one budget above the choice
 
 
@@ -139,6 +141,7 @@ class Policy:
     E = 0
     taps = True
     T_max = 1
+    defers = False  # keeps plain steps' context rows for later (ddtree.decode.round.DeferredContext)
 
     def begin(self, tree: Tree, dec) -> None:
         """Round 0's tree (built on the host from the prefill's draft) goes up."""
@@ -216,6 +219,8 @@ class Auto(Policy):
     drafted: dict = field(default_factory=dict)  # round -> did its step draft a tree
     plain_run: int = 0  # plain steps in a row
     t_last: float = 0.0
+
+    defers = True
 
     def __post_init__(self):
         self.budgets = tuple(sorted(self.chooser.verify_ms))

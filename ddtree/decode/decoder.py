@@ -101,6 +101,7 @@ class Decoder:
         self._slots: dict[int, Slot] = {}
         self._stages: dict[int, Slot] = {}
         self._verify_cost: dict = {}  # auto: (context bucket, greedy, near the end) -> {budget: verify ms}
+        self.deferred = None  # auto's deferred drafter context (ddtree.decode.round.DeferredContext), made on first use
         self._compile_noticed = False
         self.graphs = GraphRunner(target, self.use_graphs, self._mutable, self._compile_failed,
                                   log=lambda m: _log().debug(m))
@@ -216,6 +217,8 @@ class Decoder:
             tensors += [kc[:, start:end], vc[:, start:end]]
         if self.drafter is not None:
             tensors.append(self.drafter.ctx_len)
+        if self.deferred is not None:
+            tensors += [self.deferred.rows, self.deferred.count]
         return tensors
 
     def _compile_failed(self, e: Exception):

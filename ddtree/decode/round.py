@@ -72,7 +72,11 @@ class Pipeline:
         self.packet = Packet(policy.P, policy.E)
         self.ring = HostRing(self.packet.size, dec.target.device)
         self.zeros = dec.statics.full(policy.E, 0.0) if policy.E else None
-        self.deferred: DeferredContext | None = None
+        if policy.defers and dec.deferred is None:  # before any capture: graphs keep its buffers' addresses
+            width = dec.target.cfg.hidden_size * len(dec.target.tap_layers)
+            dec.deferred = DeferredContext(width, dec.drafter.device, dec.target.dtype)
+        if dec.deferred is not None:
+            dec.deferred.count.zero_()  # a generation starts with nothing deferred
 
     # ---------------------------------------------------------------- the host side
     def run(self, out: list[int], start: int, max_new: int, stop_ids, on_tokens, rounds: list, pending: list):
@@ -154,13 +158,10 @@ class Pipeline:
         drafter = self.dec.drafter
         if plan.context == "path":
             drafter.add_context(taps, n, rows=path)
-            return
-        if self.deferred is None:
-            self.deferred = DeferredContext(taps.shape[-1], drafter.device, taps.dtype)
-        if plan.context == "defer":
-            self.deferred.push(taps)
+        elif plan.context == "defer":
+            self.dec.deferred.push(taps)
         else:
-            self.deferred.flush(drafter, taps, path, n)
+            self.dec.deferred.flush(drafter, taps, path, n)
 
     def next_tree(self, plan: Plan, bonus, lp, ids) -> torch.Tensor:
         """Write the next round's tree into plan.into; -> the packet's extra (its depth, or auto's

@@ -19,6 +19,9 @@ from ddtree.model.config import DrafterConfig
 from ddtree.model.layers import MLP, RMSNorm, _identity, apply_rope, compiled, fused, residual
 
 
+DEFERRED_ROWS = 64  # the most context rows --budget auto's plain steps defer (decode.budget.PLAIN_PROBE_MAX)
+
+
 def drafter_rope(cfg: DrafterConfig, max_len: int, device):
     """cos/sin [max_len, head_dim]; yarn (rope_scaling) through transformers' own init functions."""
     scale = 1.0
@@ -122,14 +125,20 @@ class DFlashDrafter(nn.Module):
         object.__setattr__(self, "embed", embed)
         object.__setattr__(self, "head", lm_head)
 
+    def cache_rows(self, max_len: int) -> int:
+        """Context cache rows for a committed length up to max_len: a fixed-shape write may touch
+        rows past the context (a block's own rows, or a deferred context flush of up to
+        DEFERRED_ROWS rows plus a block: ddtree.decode.round.DeferredContext)."""
+        return max_len + DEFERRED_ROWS + self.cfg.block_size
+
     def allocate_state(self, max_len: int):
         dev, dt = self.device, self.fc.weight.dtype
         for layer in self.layers:
             a = layer.self_attn
             # + a block: the block's own rows are written past the context (see DraftAttention.forward)
-            a.k_cache = torch.zeros(max_len + self.cfg.block_size, a.kvh, a.hd, device=dev, dtype=dt)
+            a.k_cache = torch.zeros(self.cache_rows(max_len), a.kvh, a.hd, device=dev, dtype=dt)
             a.v_cache = torch.zeros_like(a.k_cache)
-        self.cos, self.sin = drafter_rope(self.cfg, max_len + self.cfg.block_size, dev)
+        self.cos, self.sin = drafter_rope(self.cfg, self.cache_rows(max_len), dev)
         self.max_len = max_len
         self.ctx_len = torch.zeros((), dtype=torch.long, device=dev)
         self.prepare()

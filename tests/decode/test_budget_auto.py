@@ -141,3 +141,48 @@ def test_auto_plain_steps_are_exact(kind):
         else:
             assert run == 0 or run % 3 == 0, sizes
             run = 0
+
+
+def test_probe_interval_doubles_when_probes_do_not_pay():
+    """After a probe the chooser answers with another plain step: the interval doubles up to
+    PLAIN_PROBE_MAX; a tree chosen after a probe resets it."""
+    from ddtree.decode.budget import PLAIN_PROBE, PLAIN_PROBE_MAX
+
+    ch = BudgetChooser({4: 1.0}, plain_ms=0.5)
+    seen = [ch.probe_every]
+    for _ in range(6):
+        ch.probe_answered(0)
+        seen.append(ch.probe_every)
+    assert seen[0] == PLAIN_PROBE and seen[1] == 2 * PLAIN_PROBE and seen[-1] == PLAIN_PROBE_MAX
+    assert all(b >= a for a, b in zip(seen, seen[1:]))
+    ch.probe_answered(4)
+    assert ch.probe_every == PLAIN_PROBE
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_deferred_context_rows_land_where_immediate_ones_would(kind):
+    """--budget auto's plain steps keep their context rows aside and the next drafting step adds
+    them: after a run with runs of plain steps, the drafter's context cache equals the context
+    built from the target's taps over the whole committed sequence (each row at its position)."""
+    from helpers import forced_chooser
+
+    dec, _ = build_random_pair(kind, seed=7)
+    dec.chooser_class = forced_chooser([8, 0, 0, 0, 0, 0, 32, 0, 0, 15], probe_every=4)
+    prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    rec = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=40)
+    sizes = [r.tree_size for r in rec.rounds]
+    assert sizes.count(0) >= 8 and any(s > 0 for s in sizes)
+    d = dec.drafter
+    n = int(d.ctx_len)
+    got = [(layer.self_attn.k_cache[:n].clone(), layer.self_attn.v_cache[:n].clone()) for layer in d.layers]
+    # the reference: the target's taps over the committed tokens (prompt + emitted, less the last
+    # bonus, which no verify has consumed yet), added to a fresh context in one go
+    seq = (prompt + rec.token_ids)[:n]
+    dec.target.reset()
+    _, taps = dec.target.prefill(torch.tensor(seq), chunk=7)
+    d.reset()
+    d.add_context(taps)
+    assert int(d.ctx_len) == n
+    for (k, v), layer in zip(got, d.layers):
+        for a, b in ((k, layer.self_attn.k_cache[:n]), (v, layer.self_attn.v_cache[:n])):
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), kind
