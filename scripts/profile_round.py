@@ -37,9 +37,9 @@ def graph_table(dec: Decoder, prof_cls, top: int) -> list[dict]:
     each, so replays that commit do not run off the end), kernels in one replay, its top kernels."""
     from torch.profiler import ProfilerActivity
 
-    snap = dec._snapshot()
+    snap = dec.graphs.snapshot()
     rows = []
-    for key, g in list(dec._graphs.items()):
+    for key, g in list(dec.graphs._graphs.items()):
         times = []
         for _ in range(20):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -48,17 +48,17 @@ def graph_table(dec: Decoder, prof_cls, top: int) -> list[dict]:
             e1.record()
             torch.cuda.synchronize()
             times.append(e0.elapsed_time(e1))
-            dec._restore(snap)
+            dec.graphs.restore(snap)
         with prof_cls(activities=[ProfilerActivity.CUDA]) as prof:
             g.replay()
             torch.cuda.synchronize()
-        dec._restore(snap)
+        dec.graphs.restore(snap)
         ks = [(e.name, e.device_time_total) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         per = collections.defaultdict(lambda: [0, 0.0])
         for name, us in ks:
             per[name[:90]][0] += 1
             per[name[:90]][1] += us
-        name = "/".join(str(x) for x in key[:4])
+        name = type(key).__name__ + "/" + "/".join(str(x) for x in vars(key).values() if not hasattr(x, "__dict__"))[:60]
         rows.append({"key": name, "ms": sorted(times)[len(times) // 2], "kernels": len(ks),
                      "kernel_us": sum(us for _, us in ks),
                      "top": [{"name": k, "n": v[0], "us": v[1]} for k, v in sorted(per.items(), key=lambda kv: -kv[1][1])]})
@@ -138,15 +138,15 @@ def main():
             print(f"   {t['us_per_round']:8.1f} us  x{t['per_round']:5.1f}  {t['name']}")
         if a.graphs:
             r["graphs"] = graph_table(dec, prof_cls=profile, top=min(a.top, 14))
-            dec._graphs.clear()  # the next method's table shows only its own graphs
-            dec._outs.clear()
+            dec.graphs._graphs.clear()  # the next method's table shows only its own graphs
+            dec.graphs._outs.clear()
         if a.eager:  # which op (and shapes) launched what: graphs hide that
-            dec.use_graphs = False
+            dec.use_graphs = dec.graphs.use_graphs = False
             dec.generate(ids, method=method, budget=budget, max_new_tokens=8)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
                 rec = dec.generate(ids, method=method, budget=budget, max_new_tokens=16)
                 torch.cuda.synchronize()
-            dec.use_graphs = True
+            dec.use_graphs = dec.graphs.use_graphs = True
             print(f"-- {spec} eager, {len(rec.rounds)} rounds: ops by device time")
             print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=45,
                                                                      max_name_column_width=40, max_shapes_column_width=70))

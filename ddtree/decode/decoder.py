@@ -9,6 +9,7 @@ per graph key (ddtree.decode.graphs), and the committed length lives on the devi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -26,7 +27,7 @@ from ddtree.decode.sampling import SamplingParams, choose
 from ddtree.errors import DDTreeError
 from ddtree.model.drafter import DFlashDrafter
 from ddtree.model.target import TargetModel
-from ddtree.ops.dispatch import Kernels
+from ddtree.ops.dispatch import Kernels, resolve
 from ddtree.ops.tree import Tree, build_tree_device, device_tree_fits
 from ddtree.ops.tree_kernel import build_tree_kernel, tree_summary
 from ddtree.ops.walk import walk, walk_kernel
@@ -109,6 +110,9 @@ class Decoder:
             target.tap_layers = list(drafter.cfg.target_layer_ids)
             drafter.attach(target.embed_tokens, target.lm_head)
             drafter.gather_logits = target.gather_logits
+            hd = drafter.cfg.head_dim
+            kn = resolve(self.options, drafter.device)
+            drafter.kernels = kn if hd >= 16 and hd & (hd - 1) == 0 else dataclasses.replace(kn, attention="sdpa")
 
     @property
     def block_size(self) -> int:

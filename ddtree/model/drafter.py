@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from ddtree.model.config import DrafterConfig
 from ddtree.model.layers import MLP, RMSNorm, _identity, apply_rope, compiled, fused, residual
+from ddtree.model.target import tree_attention
+from ddtree.ops.dispatch import REFERENCE
 
 
 DEFERRED_ROWS = 64  # the most context rows --budget auto's plain steps defer (decode.budget.PLAIN_PROBE_MAX)
@@ -66,7 +68,7 @@ class DraftAttention(nn.Module):
         w = fused(self, "_wqkv", self.q_proj, self.k_proj, self.v_proj)
         return self._split(F.linear(h, w[self.h * self.hd :]), cos, sin)
 
-    def forward(self, x, cos, sin, ctx_len: torch.Tensor, kv_len: int, q_pos: torch.Tensor):
+    def forward(self, x, cos, sin, ctx_len: torch.Tensor, kv_len: int, q_pos: torch.Tensor, kernel: bool = False):
         B = x.shape[0]
         q, kv = F.linear(x, fused(self, "_wqkv", self.q_proj, self.k_proj, self.v_proj)).split(
             [self.h * self.hd, 2 * self.kvh * self.hd], dim=-1)
@@ -77,6 +79,10 @@ class DraftAttention(nn.Module):
         # no copy of the whole context per round.
         self.k_cache.index_copy_(0, q_pos, kb)
         self.v_cache.index_copy_(0, q_pos, vb)
+        if kernel:  # the split-KV kernel; a sliding-window layer reads only its window's rows
+            o = tree_attention(q, self.k_cache, self.v_cache, ctx_len, "causal" if self.causal else "full", kv_len + B,
+                               q_pos=q_pos, window=self.window, causal=self.causal)
+            return self.o_proj(o.reshape(B, -1))
         S = kv_len + B  # rows ctx_len + B .. S - 1 are stale: masked
         k, v = self.k_cache[:S], self.v_cache[:S]  # [S, kvh, hd]
         key_pos = torch.arange(S, device=x.device)
@@ -116,6 +122,7 @@ class DFlashDrafter(nn.Module):
         self.gather_logits = _identity  # set from the target (a vocab all-gather under tensor parallelism)
         self.ctx_len: torch.Tensor | None = None  # 0-dim long on the device: context rows cached
         self.compile_layers = False  # run the layers through torch.compile (set by the Decoder)
+        self.kernels = REFERENCE  # the fast paths of its device (set by the Decoder: ddtree.ops.dispatch)
 
     @property
     def device(self):
@@ -250,6 +257,7 @@ def _block_hidden(d: DFlashDrafter, x: torch.Tensor, kv_len: int) -> torch.Tenso
     q_pos = d.ctx_len + torch.arange(B, device=x.device)
     cos, sin = d.cos[q_pos], d.sin[q_pos]
     for layer in d.layers:
-        x = residual(x, layer.self_attn(layer.input_layernorm(x), cos, sin, d.ctx_len, kv_len, q_pos))
+        x = residual(x, layer.self_attn(layer.input_layernorm(x), cos, sin, d.ctx_len, kv_len, q_pos,
+                                        d.kernels.attention == "kernel"))
         x = residual(x, layer.mlp(layer.post_attention_layernorm(x)))
     return d.norm(x[1:])

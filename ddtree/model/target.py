@@ -20,6 +20,7 @@ rename.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,14 +40,15 @@ from ddtree.model.layers import MLP, RMSNorm, GatedRMSNorm, _identity, apply_rop
 class Step:
     """Per-forward inputs shared by all layers (one copy per device).
 
-    positions [T]; path_mask [T, T] bool; window [T, width] conv rows; attn_mask [T, kv_len] bool;
-    cos/sin [T, rd]; start: 0-dim long (committed length); kv_len: host int >= start + T.
+    positions [T]; path_mask [T, T] bool; window [T, width] conv rows; attn_mask [T, kv_len] bool
+    (the SDPA twin only; None when the attention kernel serves the device); cos/sin [T, rd];
+    start: 0-dim long (committed length); kv_len: host int >= start + T.
     """
 
     positions: torch.Tensor
     path_mask: torch.Tensor
     window: torch.Tensor
-    attn_mask: torch.Tensor
+    attn_mask: torch.Tensor | None
     cos: torch.Tensor
     sin: torch.Tensor
     start: torch.Tensor
@@ -88,13 +90,16 @@ class Attention(nn.Module):
         slots = s.start + torch.arange(T, device=x.device)
         self.k_cache.index_copy_(0, slots, k)
         self.v_cache.index_copy_(0, slots, v)
-        S = s.attn_mask.shape[-1]  # = s.kv_len, read from a shape so that compiled code keeps it symbolic
-        kk = self.k_cache[:S].transpose(0, 1)[None]  # [1, kvh, S, hd]
-        vv = self.v_cache[:S].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], kk, vv, attn_mask=s.attn_mask[None, None], enable_gqa=self.h != self.kvh
-        )  # [1, h, T, hd]
-        o = o[0].transpose(0, 1).reshape(T, -1)
+        if s.attn_mask is None:  # the split-KV kernel: each K/V row read once for every node and query head
+            o = tree_attention(q, self.k_cache, self.v_cache, s.start, s.path_mask, s.kv_len).reshape(T, -1)
+        else:  # the twin: SDPA with the dense [T, kv_len] mask
+            S = s.attn_mask.shape[-1]  # = s.kv_len, read from a shape so that compiled code keeps it symbolic
+            kk = self.k_cache[:S].transpose(0, 1)[None]  # [1, kvh, S, hd]
+            vv = self.v_cache[:S].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], kk, vv, attn_mask=s.attn_mask[None, None], enable_gqa=self.h != self.kvh
+            )  # [1, h, T, hd]
+            o = o[0].transpose(0, 1).reshape(T, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
@@ -332,15 +337,21 @@ class Chunk:
     kernels: Kernels
 
 
+# The kernel's grid comes from host ints (T, kv_len): it runs between compiled pieces.
+tree_attention = torch.compiler.disable(attention.tree_attention)
+
+
 def _mark_dynamic(s: Step) -> None:
     """Compile once for every context length, and once for every tree size T > 1 (T = 1, the
     decode step, keeps its own specialised code): without the marks dynamo first compiles static
     shapes and recompiles on the second value, mid-generation."""
     mark = torch._dynamo.maybe_mark_dynamic
-    mark(s.attn_mask, 1)
+    if s.attn_mask is not None:
+        mark(s.attn_mask, 1)
     if s.positions.shape[0] > 1:
         for t in (s.positions, s.window, s.attn_mask, s.cos, s.sin):
-            mark(t, 0)
+            if t is not None:
+                mark(t, 0)
         mark(s.path_mask, 0)
         mark(s.path_mask, 1)
 
@@ -433,8 +444,13 @@ class TargetModel(nn.Module):
         self.prepare()
 
     def use(self, options: Options):
-        """Take the fast paths `options` allows on each of this model's devices."""
+        """Take the fast paths `options` allows on each of this model's devices (the attention
+        kernel needs a power-of-two head dim of at least 16; SDPA's dense mask serves others)."""
+        hd = self.cfg.head_dim
+        fits = hd >= 16 and hd & (hd - 1) == 0
         self.kernels = {d: resolve(options, d) for d in dict.fromkeys(self.layer_devices + [self.out_device])}
+        if not fits:
+            self.kernels = {d: dataclasses.replace(k, attention="sdpa") for d, k in self.kernels.items()}
 
     def prepare(self):
         """Inference-time constants derived from the weights: fused projection weights (views,
@@ -459,11 +475,14 @@ class TargetModel(nn.Module):
     # ------------------------------------------------------------------ forward
     def make_step(self, positions, path_mask, parents, start, kv_len: int, device) -> Step:
         T = positions.shape[0]
-        key = torch.arange(kv_len, device=device)
-        local = key[None, :] - start  # [1, kv_len] index inside the tree
-        in_tree = (local >= 0) & (local < T)
-        tree_vis = path_mask.gather(1, local.clamp(0, T - 1).expand(T, -1)) & in_tree
-        attn_mask = (key[None, :] < start) | tree_vis  # [T, kv_len]
+        kernels = self.kernels.get(device, REFERENCE)
+        attn_mask = None
+        if kernels.attention != "kernel":  # the SDPA twin's dense mask: prefix, then the tree's ancestors
+            key = torch.arange(kv_len, device=device)
+            local = key[None, :] - start  # [1, kv_len] index inside the tree
+            in_tree = (local >= 0) & (local < T)
+            tree_vis = path_mask.gather(1, local.clamp(0, T - 1).expand(T, -1)) & in_tree
+            attn_mask = (key[None, :] < start) | tree_vis  # [T, kv_len]
         cos, sin = self._rope[device]
         return Step(
             positions=positions,
@@ -474,7 +493,7 @@ class TargetModel(nn.Module):
             sin=sin[positions].to(self.dtype),
             start=start,
             kv_len=kv_len,
-            kernels=self.kernels.get(device, REFERENCE),
+            kernels=kernels,
         )
 
     @torch.no_grad()
