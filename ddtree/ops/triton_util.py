@@ -57,8 +57,26 @@ def _kernel(fn, interpret: bool):
                 raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
             from triton.runtime.interpreter import InterpretedFunction
 
+            _fix_interpreter_index()
             _JIT[key] = InterpretedFunction(fn)
         else:
             _JIT[key] = triton.jit(fn)
     return _JIT[key]
 
+
+def _fix_interpreter_index() -> None:
+    """The interpreter holds scalars as 1-element arrays and converts them to ints with int(array),
+    which numpy >= 2.4 refuses: loops with device-computed bounds (`range(lo, hi)`) then fail under
+    it. Convert through the single element instead."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_ddtree_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._ddtree_fixed = True
+    interpreter._patch_lang_tensor = patched
