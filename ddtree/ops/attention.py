@@ -497,3 +497,8 @@ def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str 
     if backend == "math":
         return prefill_attention_reference(q, k_cache, v_cache, start, scale)
     raise ValueError(f"backend must be one of {PREFILL_BACKENDS}, not {backend!r}")
+
+
+if triton is not None:
+    _kernel(_attn_fwd_kernel, interpret=False)
+    _kernel(_attn_merge_kernel, interpret=False)
