@@ -56,7 +56,7 @@ def _kernel(fn, interpret: bool):
 def _fix_interpreter_index() -> None:
     """The interpreter holds scalars as 1-element arrays and converts them to ints with int(array),
     which numpy >= 2.4 refuses: loops with device-computed bounds (`range(lo, hi)`) then fail under
-    it. Convert through the single element instead."""
+    it. Convert through the single element instead (still an error for a block)."""
     from triton.runtime import interpreter
 
     orig = interpreter._patch_lang_tensor
@@ -65,7 +65,7 @@ def _fix_interpreter_index() -> None:
 
     def patched(tensor, scope):
         orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))  # size 1 only, as before
 
     patched._ddtree_fixed = True
     interpreter._patch_lang_tensor = patched

@@ -1,0 +1,504 @@
+"""Attention of a few new tokens (a draft tree, a drafter block, a prefill chunk) over a KV cache,
+without a dense mask, each with its SDPA twin.
+
+Layout. One layer's cache: k_cache, v_cache [N, KVH, D], rows contiguous, row r holds the key of
+position r. The call's own keys are ALREADY written at rows start..start+T-1. q [T, H, D] with
+H = KVH * G: query head h reads KV head h // G (SDPA's enable_gqa). Key row r is visible to
+query t when
+
+* r < start (the committed prefix: no mask), or start <= r < start + T and tree_mask[t, r - start]
+  (the tree's ancestor-or-self mask, or a causal / all-ones block);
+* r < kv_len (the caller's bucketed upper bound on start + T; it sizes the grid);
+* with a window W: q_pos[t] - r < W (and, not causal, r - q_pos[t] < W).
+
+`tree_attention` (Triton). Per KV head, the G query heads of all T nodes are M = T * G rows of one
+matrix (row m = t * G + g), so a tile of K/V read once serves every node and query head of its
+group. Grid (m-tiles, splits + 1, KVH):
+
+* split s < NS: the prefix keys [lo, hi) of the s-th of NS equal ranges of [p0, start)
+  (p0 = max(0, start - W + 1) with a window, else 0), computed on the device from `start`:
+  no mask but the range's end (and the window). Flash-decoding: each program keeps the
+  online-softmax state (running max m, sum l, unnormalized acc [BM, D], fp32) of its rows.
+* split NS: the tree keys start..start+T-1 under the ancestor mask.
+* each writes (acc, m, l) to a workspace [NS + 1, KVH, M, D]; a second kernel merges the
+  NS + 1 partials of every row by log-sum-exp and writes o [T, H, D] in q's dtype.
+
+When one split suffices (short contexts, or enough m-tiles to fill the GPU) a single program per
+(m-tile, KV head) walks the prefix and then the tree and writes o itself (no workspace, no merge).
+Nothing depends on a host read of `start`: the grid and workspace come from host ints (T, kv_len,
+the window), so the op can be captured in a CUDA graph. Nothing of size [T, kv_len] is built and
+a windowed call reads only the window's rows, so its cost does not grow with the context.
+
+`prefill_attention`: a prefill chunk (T up to thousands) at a host-known offset, lower-right
+causal over keys [0, start + T), through SDPA's flash backend (native GQA, lower-right causal via
+`causal_lower_right`), else this module's kernel, else memory-efficient SDPA per KV head.
+
+Twins: `tree_attention_reference`, `prefill_attention_reference` (SDPA with the dense mask).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.ops.triton_util import _kernel, _on_device_of, tl, triton
+
+LOG2E = 1.4426950408889634
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------- twins
+def _visible(T: int, kv_len: int, start, tree_mask, q_pos, window, causal: bool, device) -> torch.Tensor:
+    """The dense [T, kv_len] bool mask of the semantics above (the twins')."""
+    key = torch.arange(kv_len, device=device)
+    start = torch.as_tensor(start, device=device)
+    tm = _dense_tree_mask(tree_mask, T, device)
+    local = key[None, :] - start  # [1, kv_len]: index inside the tree
+    in_tree = (local >= 0) & (local < T)
+    vis = (key[None, :] < start) | (tm.gather(1, local.clamp(0, T - 1).expand(T, -1)) & in_tree)
+    if window is not None:
+        qp = start + torch.arange(T, device=device) if q_pos is None else q_pos
+        vis = vis & (qp[:, None] - key[None, :] < window)
+        if not causal:
+            vis = vis & (key[None, :] - qp[:, None] < window)
+    return vis
+
+
+def _dense_tree_mask(tree_mask, T: int, device) -> torch.Tensor:
+    if isinstance(tree_mask, str):
+        ones = torch.ones(T, T, dtype=torch.bool, device=device)
+        return {"causal": ones.tril(), "full": ones}[tree_mask]
+    return tree_mask.to(device=device, dtype=torch.bool)
+
+
+def tree_attention_reference(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=None, window=None,
+                             causal: bool = True, scale=None) -> torch.Tensor:
+    """Twin of `tree_attention`: SDPA over k_cache[:kv_len] with the dense [T, kv_len] mask, as
+    the model calls it today. -> [T, H, D] in q's dtype."""
+    T, H, _ = q.shape
+    vis = _visible(T, kv_len, start, tree_mask, q_pos, window, causal, q.device)
+    kk = k_cache[:kv_len].transpose(0, 1)[None]  # [1, KVH, kv_len, D]
+    vv = v_cache[:kv_len].transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=vis[None, None],
+                                       scale=scale, enable_gqa=H != k_cache.shape[1])  # [1, H, T, D]
+    return o[0].transpose(0, 1)
+
+
+def prefill_attention_reference(q, k_cache, v_cache, start: int, scale=None) -> torch.Tensor:
+    """Twin of `prefill_attention`: SDPA with the dense lower-right causal mask [T, start + T]."""
+    T = q.shape[0]
+    return tree_attention_reference(q, k_cache, v_cache, start, "causal", start + T, scale=scale)
+
+
+# ----------------------------------------------------------------------------- tiles
+@dataclass(frozen=True)
+class Tiles:
+    bm: int  # query rows (node x query head) per program
+    bn: int  # keys per step
+    warps: int
+    stages: int
+
+
+# Per (GPU generation, head dim, query-row tile): the tile, chosen from ptxas reports of this
+# kernel compiled for sm_90 and sm_86 (no register spills; shared memory in the comments).
+# bm is the row tile (node x query head rows per program), capped by the call's rows. A tile
+# whose shared-memory estimate exceeds the device's per-block limit (Hopper 227 KB, A100 163 KB,
+# sm_86/89 99 KB), or that Triton reports OutOfResources for, is passed over for the next.
+_TABLE = {
+    # Hopper (wgmma): D = 256 with bn 64 spills at bm 64 (acc 64 x 256 fp32); bn 32, 3 stages does not.
+    ("hopper", 256): {64: Tiles(64, 32, 8, 3), 32: Tiles(32, 32, 8, 3), 16: Tiles(16, 32, 4, 4)},  # 136, 84, 106 KB
+    ("hopper", 128): {64: Tiles(64, 128, 8, 2), 32: Tiles(32, 64, 8, 3), 16: Tiles(16, 64, 4, 3)},  # 160, -, 72 KB
+    ("hopper", 64): {128: Tiles(128, 64, 8, 3), 64: Tiles(64, 64, 4, 3), 32: Tiles(32, 64, 4, 3), 16: Tiles(16, 64, 4, 3)},
+    # Ampere (mma.sync; sm_86 has 99 KB a block)
+    ("ampere", 256): {64: Tiles(64, 32, 8, 2), 32: Tiles(32, 32, 8, 3), 16: Tiles(16, 32, 4, 3)},  # 68, 84, 74 KB
+    ("ampere", 128): {64: Tiles(64, 64, 8, 2), 32: Tiles(32, 64, 8, 2), 16: Tiles(16, 64, 4, 2)},  # 56, -, 40 KB
+    ("ampere", 64): {128: Tiles(128, 64, 8, 2), 64: Tiles(64, 64, 4, 2), 32: Tiles(32, 64, 4, 2), 16: Tiles(16, 64, 4, 2)},
+}
+_FALLBACK = [Tiles(32, 32, 4, 2), Tiles(16, 32, 4, 2), Tiles(16, 32, 4, 1), Tiles(16, 16, 4, 1)]
+# fp32 (tests, the twin's precision): FMA dots (ieee); larger tiles spill kilobytes and take a minute to compile.
+_FP32 = Tiles(16, 16, 4, 1)
+_CPU_TILES = Tiles(128, 64, 1, 1)  # the interpreter: big tiles, fewer interpreted steps
+_SMEM_RESERVE = 1024  # bytes kept free for Triton's own scratch (barriers)
+_BAD: set = set()  # (Tiles, key) that failed to compile on a device: OutOfResources
+
+
+def _smem_limit(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    for name in ("shared_memory_per_block_optin", "shared_memory_per_block"):
+        v = getattr(props, name, None)
+        if v:
+            return int(v)
+    return {(9, 0): 232448, (8, 0): 166912, (8, 6): 101376, (8, 9): 101376}.get((props.major, props.minor), 49152)
+
+
+def _smem_estimate(t: Tiles, d: int, elt: int, hopper: bool) -> int:
+    """Shared memory of the kernel, bytes: Q tile + buffers x (K + V tiles) + P twice. Triton
+    keeps `stages` K/V buffers for wgmma (Hopper, bm >= 64) and stages - 1 for mma.sync; this
+    matches (or exceeds) what it allocated for every tile of _TABLE on sm_90 and sm_86."""
+    buffers = t.stages if hopper and t.bm >= 64 else max(1, t.stages - 1)
+    return elt * (t.bm * d + buffers * 2 * t.bn * d + 2 * t.bm * t.bn)
+
+
+def _rows_tile(bm: int, rows: int) -> int:
+    return max(16, min(bm, _pow2(rows)))
+
+
+def pick_tiles(d: int, rows: int, elt: int, smem_limit: int, hopper: bool) -> list[Tiles]:
+    """The tiles to try for head dim d, `rows` = T * G query rows per KV head and elt-byte
+    elements on a GPU with smem_limit bytes of shared memory per block, best first."""
+    table = _TABLE[("hopper" if hopper else "ampere", 64 if d <= 64 else 128 if d <= 128 else 256)]
+    if elt > 2:
+        return [_FP32]
+    top = max(table)
+    out = []
+    for t in [table[_rows_tile(top, rows)]] + [Tiles(_rows_tile(t.bm, rows), t.bn, t.warps, t.stages) for t in _FALLBACK]:
+        if _smem_estimate(t, d, elt, hopper) <= smem_limit - _SMEM_RESERVE and t not in out:
+            out.append(t)
+    return out or [Tiles(16, 16, 4, 1)]
+
+
+def candidate_tiles(d: int, rows: int, dtype: torch.dtype, device: torch.device) -> list[Tiles]:
+    if device.type != "cuda":
+        return [Tiles(_rows_tile(_CPU_TILES.bm, rows), _CPU_TILES.bn, 1, 1)]
+    major = torch.cuda.get_device_capability(device)[0]
+    return pick_tiles(d, rows, torch.empty((), dtype=dtype).element_size(), _smem_limit(device), major >= 9)
+
+
+# ----------------------------------------------------------------------------- splits
+MIN_SPLIT_KEYS = 256  # a split reads at least this many keys (and 4 per query row: see num_splits)
+MAX_SPLITS = 128
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so that the merge is what the tests exercise
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(read_len: int, rows: int, kv_heads: int, bm: int, sms: int) -> int:
+    """How many ranges the prefix is split into (0: one program per (m-tile, KV head) does the
+    prefix and the tree and writes o itself). read_len: a host bound on the prefix keys read
+    (kv_len, or the window). Enough programs for one wave over the SMs (m-tiles x KV heads x
+    splits >= SM count), but no split shorter than MIN_SPLIT_KEYS keys nor than 4 keys per query
+    row: a split's partials (rows x D fp32, written and read back) stay a small fraction of the
+    K/V it reads (keys x D x 2 x 2 bytes)."""
+    units = _cdiv(rows, bm) * kv_heads
+    want = _cdiv(sms, units)
+    most = read_len // max(MIN_SPLIT_KEYS, 4 * rows)
+    ns = min(want, most, MAX_SPLITS)
+    return ns if ns >= 2 else 0
+
+
+# ----------------------------------------------------------------------------- kernels
+def _attn_fwd_kernel(
+    q, kc, vc, start_ptr, tm, qpos, o, ws_acc, ws_ml,
+    T, kv_len, W, NS, qk_scale,  # qk_scale = scale * log2(e): the softmax runs in base 2
+    s_qt, s_qh, s_kn, s_kh, s_vn, s_vh, s_ot, s_oh,
+    G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    TREE: tl.constexpr,  # 0: tree_mask [T, T] int8; 1: causal (tril); 2: all visible
+    WINDOW: tl.constexpr, TWO_SIDED: tl.constexpr, FUSED: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    kvh = tl.program_id(2)
+    KVH = tl.num_programs(2)
+    MP = T * G  # query rows of this KV head
+    om = pid_m * BM + tl.arange(0, BM)
+    row_ok = om < MP
+    t = om // G  # node
+    h = kvh * G + om % G  # query head
+    od = tl.arange(0, D)
+    qt = tl.load(q + t[:, None] * s_qt + h[:, None] * s_qh + od[None, :], mask=row_ok[:, None], other=0.0)  # [BM, D]
+    start = tl.load(start_ptr).to(tl.int32)
+    if WINDOW:
+        qp = tl.load(qpos + t, mask=row_ok, other=0).to(tl.int32)  # [BM]
+    end = tl.minimum(start, kv_len)  # prefix keys [p0, end)
+    p0 = 0
+    if WINDOW:
+        p0 = tl.maximum(start - W + 1, 0)  # older keys are out of every query's window (q_pos >= start)
+    if FUSED:
+        lo = p0
+        hi = end
+    else:
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(end - p0, 0), NS), BN) * BN
+        lo = p0 + split * chunk  # the tree's program (split == NS) gets an empty range
+        hi = tl.minimum(lo + chunk, end)
+    kb = kc + kvh * s_kh
+    vb = vc + kvh * s_vh
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    # ---- the prefix: no mask but the range's end (and the window)
+    for n0 in range(lo, hi, BN):
+        on = n0 + tl.arange(0, BN)
+        n_ok = on < hi
+        rows = on.to(tl.int64)
+        k = tl.load(kb + rows[None, :] * s_kn + od[:, None], mask=n_ok[None, :], other=0.0)  # [D, BN]
+        v = tl.load(vb + rows[:, None] * s_vn + od[None, :], mask=n_ok[:, None], other=0.0)  # [BN, D]
+        if IEEE:
+            s = tl.dot(qt, k, input_precision="ieee")
+        else:
+            s = tl.dot(qt, k)
+        vis = n_ok[None, :]
+        if WINDOW:
+            vis = vis & (qp[:, None] - on[None, :] < W)
+            if TWO_SIDED:
+                vis = vis & (on[None, :] - qp[:, None] < W)
+        s = tl.where(vis, s * qk_scale, float("-inf"))  # [BM, BN]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # ---- the tree (or block): keys start..start+T-1 under its mask
+    if split == NS:
+        t_hi = T
+        if TREE == 1:  # causal: this tile's last node sees no key past itself
+            t_hi = tl.minimum(T, (pid_m * BM + BM - 1) // G + 1)
+        for j0 in range(0, t_hi, BN):
+            oj = j0 + tl.arange(0, BN)
+            on = start + oj
+            n_ok = (oj < t_hi) & (on < kv_len)
+            rows = on.to(tl.int64)
+            k = tl.load(kb + rows[None, :] * s_kn + od[:, None], mask=n_ok[None, :], other=0.0)
+            v = tl.load(vb + rows[:, None] * s_vn + od[None, :], mask=n_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(qt, k, input_precision="ieee")
+            else:
+                s = tl.dot(qt, k)
+            vis = row_ok[:, None] & n_ok[None, :]
+            if TREE == 0:
+                vis = vis & (tl.load(tm + t[:, None] * T + oj[None, :], mask=vis, other=0) != 0)
+            if TREE == 1:
+                vis = vis & (oj[None, :] <= t[:, None])
+            if WINDOW:
+                vis = vis & (qp[:, None] - on[None, :] < W)
+                if TWO_SIDED:
+                    vis = vis & (on[None, :] - qp[:, None] < W)
+            s = tl.where(vis, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    if FUSED:
+        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # (padding rows: no 0 / 0)
+        tl.store(o + t[:, None] * s_ot + h[:, None] * s_oh + od[None, :], out.to(o.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        r = (split * KVH + kvh).to(tl.int64) * MP + om  # [BM] row of the workspace
+        tl.store(ws_acc + r[:, None] * D + od[None, :], acc, mask=row_ok[:, None])
+        tl.store(ws_ml + r, m_i, mask=row_ok)
+        tl.store(ws_ml + (NS + 1) * KVH * MP + r, l_i, mask=row_ok)
+
+
+def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
+                       G: tl.constexpr, D: tl.constexpr, BMM: tl.constexpr):
+    # One program: BMM rows of one KV head; the NSP partials of each row merged by log-sum-exp.
+    kvh = tl.program_id(1)
+    KVH = tl.num_programs(1)
+    MP = T * G
+    om = tl.program_id(0) * BMM + tl.arange(0, BMM)
+    row_ok = om < MP
+    od = tl.arange(0, D)
+    m_run = tl.full([BMM], float("-inf"), tl.float32)
+    l_run = tl.zeros([BMM], dtype=tl.float32)
+    acc = tl.zeros([BMM, D], dtype=tl.float32)
+    for s in range(0, NSP):
+        r = (s * KVH + kvh).to(tl.int64) * MP + om
+        m_s = tl.load(ws_ml + r, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(ws_ml + NSP * KVH * MP + r, mask=row_ok, other=0.0)
+        a_s = tl.load(ws_acc + r[:, None] * D + od[None, :], mask=row_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, m_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        beta = tl.exp2(m_s - m_use)
+        l_run = l_run * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_run = m_new
+    t = om // G
+    h = kvh * G + om % G
+    out = acc / tl.where(row_ok, l_run, 1.0)[:, None]
+    tl.store(o + t[:, None] * s_ot + h[:, None] * s_oh + od[None, :], out.to(o.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------- the op
+def _workspace(numel: int, device: torch.device) -> torch.Tensor:
+    """fp32 scratch for the partials (every element is written before it is read; tests poison it)."""
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=None, window=None, scale=None,
+                   *, causal: bool = True, out=None, splits: int | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+    """Attention of T new tokens over a KV cache: the committed prefix [0, start) unmasked plus
+    the tokens' own keys (rows start..start+T-1, already written) under tree_mask.
+
+    q [T, H, D] (T = 1..128 tree nodes, or a block / chunk; D a power of two); k_cache, v_cache
+    [N, KVH, D] one layer's cache, stride(-1) == 1; start: 0-dim int64 on q's device;
+    tree_mask: [T, T] bool (node t sees node j iff tree_mask[t, j]: ancestor-or-self), or
+    "causal" (tril) or "full" (all ones); kv_len: host int with start + T <= kv_len <= N (a
+    bucketed bound: it sizes the grid and the workspace; rows >= kv_len are never read).
+    window: keys with q_pos - key_pos >= window are not seen (and with causal=False also
+    key_pos - q_pos >= window); key_pos = row; q_pos [T] long (default start + arange(T)) must be
+    >= start: the prefix read begins at row start - window + 1. out: optional [T, H, D] to write.
+    splits: prefix ranges (None: num_splits' rule; 0 or 1: none, one program per m-tile does all);
+    tiles: override (benchmarks). -> o [T, H, D] in q's dtype (fp32 accumulation)."""
+    T, H, D = q.shape
+    N, KVH, _ = k_cache.shape
+    assert H % KVH == 0 and k_cache.shape == v_cache.shape and k_cache.shape[-1] == D
+    assert D >= 16 and D & (D - 1) == 0, f"head dim {D}: a power of two >= 16"
+    assert T <= kv_len <= N, (T, kv_len, N)
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    G = H // KVH
+    dev = q.device
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if not torch.is_tensor(start):  # a host int (prefill): one small copy, not for graphed rounds
+        start = torch.tensor(int(start), device=dev)
+    assert start.device == dev and start.numel() == 1 and not start.is_floating_point()
+    if isinstance(tree_mask, str):
+        mode, tm = {"causal": 1, "full": 2}[tree_mask], q
+    else:
+        assert tree_mask.shape == (T, T) and tree_mask.device == dev, (tree_mask.shape, tree_mask.device)
+        mode, tm = 0, tree_mask.to(torch.bool).contiguous().view(torch.int8)
+    if window is not None:
+        q_pos = start + torch.arange(T, device=dev) if q_pos is None else q_pos.contiguous()
+        assert q_pos.shape == (T,) and q_pos.device == dev
+    if out is None:
+        out = torch.empty(T, H, D, dtype=q.dtype, device=dev)
+    assert out.shape == (T, H, D) and out.stride(-1) == 1
+    rows = T * G  # query rows per KV head
+    sc = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
+    read_len = kv_len if window is None else min(kv_len, int(window))
+    key = (dev.index, D, q.dtype)
+    todo = [tiles] if tiles is not None else [c for c in candidate_tiles(D, rows, q.dtype, dev) if (c, key) not in _BAD]
+    kern = _kernel(_attn_fwd_kernel, interpret=not q.is_cuda)
+    merge = _kernel(_attn_merge_kernel, interpret=not q.is_cuda)
+    err = None
+    for tt in todo or [Tiles(16, 16, 4, 1)]:
+        ns = num_splits(read_len, rows, KVH, tt.bm, _sm_count(dev)) if splits is None else int(splits)
+        ns = 0 if ns <= 1 else ns
+        if ns:
+            ws_acc = _workspace((ns + 1) * KVH * rows * D, dev)  # [NS + 1, KVH, rows, D]
+            ws_ml = _workspace(2 * (ns + 1) * KVH * rows, dev)  # m then l: [2, NS + 1, KVH, rows]
+        else:
+            ws_acc = ws_ml = out  # unused
+        try:
+            with _on_device_of(q):
+                kern[(_cdiv(rows, tt.bm), ns + 1, KVH)](
+                    q, k_cache, v_cache, start, tm, start if q_pos is None else q_pos, out, ws_acc, ws_ml,
+                    T, kv_len, int(window or 0), ns, sc,
+                    q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                    v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+                    G=G, D=D, BM=tt.bm, BN=tt.bn, TREE=mode, WINDOW=window is not None, TWO_SIDED=not causal,
+                    FUSED=ns == 0, IEEE=q.dtype == torch.float32, num_warps=tt.warps, num_stages=tt.stages,
+                )
+                if ns:
+                    bmm = max(2, min(4096 // D, _pow2(rows)))
+                    merge[(_cdiv(rows, bmm), KVH)](ws_acc, ws_ml, out, T, ns + 1, out.stride(0), out.stride(1),
+                                                   G=G, D=D, BMM=bmm, num_warps=4)
+            return out
+        except Exception as e:  # a tile too big for this GPU's shared memory: the next one
+            if tiles is not None or type(e).__name__ != "OutOfResources":
+                raise
+            _BAD.add((tt, key))
+            err = e
+    raise err
+
+
+# ----------------------------------------------------------------------------- prefill
+PREFILL_BACKENDS = ("auto", "flash", "triton", "efficient", "math")
+_FLASH_FAILED: set = set()  # (device, dtype, D) where the flash backend refused: auto skips it
+
+
+def _sdpa_backend(name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                         "math": SDPBackend.MATH}[name]])
+
+
+def _causal_sdpa(q4, k4, v4, start: int, scale, gqa: bool):
+    """SDPA of q4 [1, h, T, D] over k4, v4 [1, kvh, start + T, D], lower-right causal."""
+    if start == 0:
+        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = causal_lower_right(q4.shape[-2], k4.shape[-2])
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, scale=scale, enable_gqa=gqa)
+
+
+def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str = "auto") -> torch.Tensor:
+    """Attention of a prefill chunk q [T, H, D] at host offset `start` over keys [0, start + T)
+    of k_cache, v_cache [N, KVH, D] (the chunk's own K/V already at rows start..start+T-1),
+    lower-right causal. -> [T, H, D] in q's dtype.
+
+    backend: "flash" SDPA's FlashAttention-2 (fp16/bf16, sm_80+, head_dim <= 256; the only fused
+    SDPA backend that takes GQA, per torch's docs, and the one `causal_lower_right` dispatches to
+    first); "triton" this module's kernel (prefix splits off, the chunk causal); "efficient"
+    memory-efficient SDPA (lower-right causal but no GQA: one call per KV head, its K/V broadcast
+    over the group's query heads); "math" the dense twin's path; "auto": flash where it applies,
+    else triton on CUDA, else efficient; math on CPU."""
+    T, H, D = q.shape
+    KVH = k_cache.shape[1]
+    G = H // KVH
+    S = start + T
+    assert S <= k_cache.shape[0]
+    if backend == "auto":
+        if not q.is_cuda:
+            backend = "math"
+        elif q.dtype in (torch.float16, torch.bfloat16) and (q.device, q.dtype, D) not in _FLASH_FAILED:
+            try:
+                return prefill_attention(q, k_cache, v_cache, start, scale, "flash")
+            except RuntimeError:  # flash not built for / not usable on this GPU or shape: do not ask again
+                _FLASH_FAILED.add((q.device, q.dtype, D))
+                backend = "triton" if triton is not None else "efficient"
+        else:
+            backend = "triton" if triton is not None else "efficient"
+    q4 = q.transpose(0, 1)[None]  # [1, H, T, D]
+    k4 = k_cache[:S].transpose(0, 1)[None]  # [1, KVH, S, D]
+    v4 = v_cache[:S].transpose(0, 1)[None]
+    if backend == "flash":
+        with _sdpa_backend("flash"):
+            return _causal_sdpa(q4, k4, v4, start, scale, G > 1)[0].transpose(0, 1)
+    if backend == "triton":
+        return tree_attention(q, k_cache, v_cache, start, "causal", S, scale=scale)
+    if backend == "efficient":
+        o = torch.empty_like(q)
+        with _sdpa_backend("efficient"):
+            for j in range(KVH):
+                qj = q4[:, j * G:(j + 1) * G]  # [1, G, T, D]
+                kj = k4[:, j:j + 1].expand(1, G, S, D)  # head stride 0: no copy of the cache
+                vj = v4[:, j:j + 1].expand(1, G, S, D)
+                try:
+                    oj = _causal_sdpa(qj, kj, vj, start, scale, False)
+                except RuntimeError:  # a kernel that wants real heads: this KV head's copy ([G, S, D])
+                    oj = _causal_sdpa(qj, kj.contiguous(), vj.contiguous(), start, scale, False)
+                o[:, j * G:(j + 1) * G] = oj[0].transpose(0, 1)
+        return o
+    if backend == "math":
+        return prefill_attention_reference(q, k_cache, v_cache, start, scale)
+    raise ValueError(f"backend must be one of {PREFILL_BACKENDS}, not {backend!r}")
+
+
+if triton is not None:
+    _kernel(_attn_fwd_kernel, interpret=False)
+    _kernel(_attn_merge_kernel, interpret=False)
