@@ -32,7 +32,7 @@ from ddtree.model.target import TargetModel
 from ddtree.ops.tree import Tree, build_tree, build_tree_device, device_tree_fits
 from ddtree.ops.tree_kernel import build_tree_kernel, tree_summary, walk_kernel
 
-METHODS = ("ar", "dflash", "ddtree")
+from ddtree.decode.methods import METHODS  # defined without torch: the CLI checks --method before importing it
 WALK_KERNEL = os.environ.get("DDTREE_TORCH_WALK") != "1"  # the walk in one Triton kernel where available
 TREE_KERNEL = {"ok": True}  # False after the Triton tree kernel failed once in this process (torch ops then)
 
