@@ -98,6 +98,7 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch):
 
 
 def _figures(doc, tmp_path):
+    """The speedup and the histogram figures (drawn and saved, as plot_results does)."""
     from ddtree.app import plot
 
     mpl, Figure, Canvas = plot._import_matplotlib()
@@ -145,50 +146,61 @@ def _generate_auto_doc():
 
 def test_speedup_figure_two_panels_axis_from_one(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'ddtree[plot]')")
-    fig, _ = _figures(_doc(), tmp_path)
-    top, bottom = fig.axes  # no twin axis: speedup and acceptance in their own panels
+    speed, hist = _figures(_doc(), tmp_path)
+    top, bottom = speed.axes  # no twin axis: speedup and acceptance in their own panels
     assert top.get_position().y0 >= bottom.get_position().y1
     lo, hi = top.get_ylim()
     assert lo <= 1.0 <= hi  # the autoregressive line is on the axis
     assert bottom.get_ylim()[0] == 0
     assert [t.get_text() for t in bottom.get_xticklabels()] == ["4", "16", "64"]
-    _legend_lists_only_drawn(fig)
-    assert _texts_inside(fig) == []
+    _legend_lists_only_drawn(speed)
+    assert _texts_inside(speed) == [] and _texts_inside(hist) == []
+    # no run with plain steps: the histograms' legend does not list them
+    assert "plain step (no draft)" not in {t.get_text() for leg in hist.legends for t in leg.get_texts()}
 
 
 def test_generate_auto_document_plots(tmp_path):
-    """generate --budget auto --stats-json: budget_setting "auto" is read, one bar per run (no
-    "no ddtree runs"), and the single-run histogram's title fits."""
+    """What generate --budget auto --stats-json writes, also as written before budget_setting and
+    the headline keys existed: read as an auto run, one bar per run (not "no ddtree runs"), the
+    single-run histogram's title fits, plain steps drawn and listed."""
     pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'ddtree[plot]')")
+    import copy
+
     from ddtree.stats import validate_document
 
     doc = _generate_auto_doc()
     validate_document(doc)
-    speed, hist = _figures(doc, tmp_path)
-    texts = [t.get_text() for ax in speed.axes for t in ax.texts]
-    assert not any("no ddtree runs" in t for t in texts)
-    assert [t.get_text() for t in speed.axes[1].get_xticklabels()] == ["ddtree auto"]
-    assert _texts_inside(hist) == [] and _texts_inside(speed) == []
-    _legend_lists_only_drawn(speed)
-    labels = {t.get_text() for leg in hist.legends for t in leg.get_texts()}
-    assert "plain step (no draft)" in labels  # drawn: the run has plain steps
-    ddtree_only = _figures(_doc(with_ar=False, budgets=(8,)), tmp_path)[1]
-    assert "plain step (no draft)" not in {t.get_text() for leg in ddtree_only.legends for t in leg.get_texts()}
-
-
-def test_plot_reads_gzip_and_older_documents(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'ddtree[plot]')")
-    import copy
-
-    from ddtree.app.plot import plot_results
-
-    path = write_json(_doc(), tmp_path / "r.json.gz")
-    _check_pngs(plot_results(path, tmp_path), tmp_path)
-    old = copy.deepcopy(_generate_auto_doc())  # before budget_setting and the headline keys existed
+    old = copy.deepcopy(doc)
     for run in old["runs"]:
         del run["budget_setting"], run["interrupted"]
         for d in [run["aggregate"], *run["prompts"]]:
             del d["tokens_per_target_forward"], d["num_plain_steps"]
-    speed, _ = _figures(old, tmp_path)
-    assert [t.get_text() for t in speed.axes[1].get_xticklabels()] == ["ddtree auto"]
+    validate_document(old)
+    new_speed, _ = _figures(doc, tmp_path)
+    speed, hist = _figures(old, tmp_path)
+    for fig in (new_speed, speed):
+        assert not any("no ddtree runs" in t.get_text() for ax in fig.axes for t in ax.texts)
+        assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == ["ddtree auto"]
+        _legend_lists_only_drawn(fig)
+    heights = [[round(p.get_height(), 6) for p in ax.patches] for ax in (new_speed.axes[1], speed.axes[1])]
+    assert heights[0] == heights[1]  # the same figures from the older keys
+    assert _texts_inside(hist) == [] and _texts_inside(speed) == []
+    assert "plain step (no draft)" in {t.get_text() for leg in hist.legends for t in leg.get_texts()}
 
+
+def test_plot_cli_gzip_default_folder_and_bad_out(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'ddtree[plot]')")
+    from typer.testing import CliRunner
+
+    from ddtree.app.cli import app
+
+    path = write_json(_doc(budgets=(8,)), tmp_path / "bench.json.gz")
+    r = CliRunner().invoke(app, ["plot", str(path)])
+    assert r.exit_code == 0, r.stderr
+    assert [line for line in r.stdout.splitlines()] == [str(tmp_path / "bench-plots" / n) for n in NAMES]
+    assert f"created folder {tmp_path / 'bench-plots'} for --out" in r.stderr  # a folder nobody named: said so
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = CliRunner().invoke(app, ["plot", str(path), "--out", str(afile)])
+    assert r.exit_code == 2 and r.stderr.startswith("error: --out ") and len(r.stderr.splitlines()) == 1
+    assert "is a file" in r.stderr
