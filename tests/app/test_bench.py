@@ -274,3 +274,20 @@ def test_bench_tp2_matches_one_process(tiny_pair, tmp_path, one_thread):
             assert p1["token_ids"] == p2["token_ids"] and p1["rounds"]["accepted"] == p2["rounds"]["accepted"]
             assert p2["decode_s"] > 0 and p2["ttft_s"] > 0  # rank 0's timings came back
     assert docs[2]["runs"][1]["exact_match_vs_ar"] is True
+
+
+def test_table_headline_is_tokens_per_forward():
+    """--budget auto's plain steps count in tok/fwd; accept len covers the drafted rounds."""
+    from ddtree.stats import GenerationRecord, RoundRecord, make_run_document, run_metadata
+
+    t = {"verify": 1.0}
+    rounds = [RoundRecord(8, 3, 2, [0, 0], 3, t), RoundRecord(0, 0, 0, [], 1, t), RoundRecord(0, 0, 0, [], 1, t),
+              RoundRecord(4, 2, 1, [0], 2, t)]
+    rec = GenerationRecord("a", 5, 8, list(range(8)), "", 0.1, 1.0, 0.1, "ddtree", None, rounds)
+    doc = make_run_document(run_metadata(), [{"method": "ddtree", "budget": None, "budget_setting": "auto",
+                                              "records": [rec], "speedup_vs_ar": 1.3}])
+    head, _, row, note = format_table(doc).splitlines()
+    cells = row.split()
+    assert head.split("  ")[5] == "tok/fwd" and "accept len (drafted)" in head
+    assert cells[:2] == ["ddtree", "auto"] and cells[5] == "1.75" and cells[6] == "2.50"  # 7/4 and 1 + 3/2
+    assert note == "ddtree auto chose 0 (50%), 4 (25%), 8 (25%)"
