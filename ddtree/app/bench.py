@@ -218,7 +218,8 @@ def run_bench(
             if print_table:
                 print(format_table(doc), flush=True)
         elif out_path is not None:
-            logger.warning("no prompt finished before the interrupt: --out not written")
+            logger.warning("interrupted: under --tp no record comes back before the last generation, --out not written"
+                           if tp > 1 else "no prompt finished before the interrupt: --out not written")
         raise
     doc = bench.document(opts, prompts, meths, buds, warmup, limit, max_len)
     if out_path is not None:

@@ -459,6 +459,8 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
                 doc = _generate_document(S, spec, dict(opts, prompts=prompts_spec), method, budget, records, max_len, paths,
                                          interrupted=True, interrupted_prompt=cut.id if cut is not None else None)
                 S.write_document(doc, stats_path, "--stats-json")
+            elif tp > 1:  # the workers hand their records back at the end
+                logger.warning("interrupted: under --tp no record comes back before the last prompt, --stats-json not written")
             else:
                 logger.warning("no prompt finished before the interrupt: --stats-json not written")
         raise

@@ -47,6 +47,9 @@ class Opt:
     def default_text(self, command: str | None = None) -> str | None:
         """The default as --help and the README say it (None: no default worth stating)."""
         doc = self.default_doc
+        if command and isinstance(self.default, dict) and not isinstance(doc, dict):  # --help: this command's
+            value = self.default.get(command)
+            return None if value is None else _show(value, self)
         if isinstance(doc, dict):
             return doc.get(command) if command else "; ".join(f"{c}: {d}" for c, d in doc.items())
         if doc is not None:
