@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import gzip
 import hashlib
 import json
 import math
@@ -91,10 +92,14 @@ def _stage_order(rounds: list[RoundRecord]) -> list[str]:
 def _round_counters(rounds: list[RoundRecord], block_size: int | None = None) -> dict[str, Any]:
     """vLLM-style speculative-decoding counters over a list of rounds.
 
-    A *draft* is a round that verified at least one draft node (``tree_size > 0``); ``ar`` rounds
-    are not drafts, so an ``ar`` run has ``num_drafts == 0`` and mean acceptance length 1.0.
+    A *draft* is a round that verified at least one draft node (``tree_size > 0``); every other
+    round is a *plain step* (the target verified the bonus token alone: every ``ar`` round, and
+    ``--budget auto``'s budget-0 rounds). ``mean_acceptance_length`` (vLLM's ``1 + accepted /
+    drafts``) counts drafted rounds only; ``tokens_per_target_forward`` (committed / rounds) counts
+    them all and is the figure to compare methods by.
     """
     drafts = [r for r in rounds if r.tree_size > 0]
+    committed = sum(r.committed for r in rounds)
     num_drafts = len(drafts)
     num_draft_tokens = sum(r.tree_size for r in drafts)
     num_accepted = sum(r.accepted for r in drafts)
@@ -122,6 +127,8 @@ def _round_counters(rounds: list[RoundRecord], block_size: int | None = None) ->
             ranks[int(k)] = ranks.get(int(k), 0) + 1
 
     return {
+        "tokens_per_target_forward": committed / len(rounds) if rounds else 0.0,
+        "num_plain_steps": len(rounds) - num_drafts,
         "num_drafts": num_drafts,
         "num_draft_tokens": num_draft_tokens,
         "num_accepted_tokens": num_accepted,
@@ -210,10 +217,7 @@ def generation_to_dict(rec: GenerationRecord) -> dict:
         "decode_tok_s": rec.decode_tok_s,
         "e2e_tok_s": rec.e2e_tok_s,
         "num_rounds": len(rec.rounds),
-        "num_drafts": counters["num_drafts"],
-        "num_draft_tokens": counters["num_draft_tokens"],
-        "num_accepted_tokens": counters["num_accepted_tokens"],
-        "mean_acceptance_length": counters["mean_acceptance_length"],
+        **{k: counters[k] for k in _PROMPT_COUNTERS},
         "token_ids": [int(t) for t in rec.token_ids],
         "text": rec.text,
         "rounds": {
@@ -343,7 +347,8 @@ def make_run_document(metadata: dict, runs: list[dict]) -> dict:
 
     Each entry of ``runs`` is ``{"method", "budget", "records": [GenerationRecord],
     "speedup_vs_ar": float | None}`` with optional ``"block_size"`` (passed to
-    :func:`aggregate`).
+    :func:`aggregate`), ``"budget_setting"`` (a ddtree run's ``--budget``: an integer or
+    ``"auto"``) and ``"interrupted"`` (the run was cut short by Ctrl-C).
     """
     out_runs = []
     for i, run in enumerate(runs):
@@ -358,14 +363,92 @@ def make_run_document(metadata: dict, runs: list[dict]) -> dict:
                 "aggregate": aggregate(records, block_size=run.get("block_size")),
                 "prompts": [generation_to_dict(r) for r in records],
                 "speedup_vs_ar": run.get("speedup_vs_ar"),
+                "budget_setting": run.get("budget_setting"),
+                "interrupted": bool(run.get("interrupted", False)),
             }
         )
     return {"schema": SCHEMA_VERSION, "metadata": _jsonable(dict(metadata)), "runs": out_runs}
 
 
-_NUM = ["number"]
-_INT = ["integer"]
+_NUM = {"type": ["number"]}
+_INT = {"type": ["integer"]}
+_INTS = {"type": "array", "items": {"type": "integer"}}
 _COUNT_HIST = {"type": "object", "additionalProperties": {"type": "integer"}}
+_OPT_INT = {"type": ["integer", "null"]}
+
+# Keys added after documents were first written: written by this version, not required of a
+# document (older ddtree.stats/1 files stay valid; readers fall back, see tokens_per_forward).
+_ADDED = {"tokens_per_target_forward", "num_plain_steps", "budget_setting", "interrupted", "interrupted_prompt"}
+
+# what an aggregate and a per-prompt entry both hold
+_TOTALS = {"prompt_tokens": _INT, "new_tokens": _INT, "prefill_s": _NUM, "decode_s": _NUM, "decode_tok_s": _NUM,
+           "e2e_tok_s": _NUM}
+_COUNTERS = {"tokens_per_target_forward": _NUM, "num_plain_steps": _INT, "num_drafts": _INT,
+             "num_draft_tokens": _INT, "num_accepted_tokens": _INT, "mean_acceptance_length": _NUM}
+#: the round counters a per-prompt entry repeats from _round_counters
+_PROMPT_COUNTERS = tuple(_COUNTERS)
+
+_AGGREGATE = {
+    "num_prompts": _INT, **_TOTALS, "total_s": _NUM, "mean_ttft_s": _NUM, "rounds": _INT, "committed_tokens": _INT,
+    "mean_committed_per_round": _NUM, "block_size": _OPT_INT, **_COUNTERS,
+    "num_accepted_tokens_per_pos": _INTS,
+    "draft_acceptance_rate": _NUM,
+    "acceptance_length_histogram": _COUNT_HIST,
+    "per_depth_acceptance_rate": {"type": "array", "items": {"type": ["number", "null"]}},
+    "accepted_rank_histogram": _COUNT_HIST,
+    "tree_size": {
+        "type": "object",
+        "required": ["mean", "min", "max"],
+        "properties": {"mean": _NUM, "min": _INT, "max": _INT, "histogram": _COUNT_HIST},
+    },
+    "stage_times_ms": {
+        "type": "object",
+        "additionalProperties": {"type": "object", "required": ["total", "mean"],
+                                 "properties": {"total": _NUM, "mean": _NUM}},
+    },
+}
+
+_ROUNDS = {
+    "tree_size": _INTS, "tree_depth": _INTS, "accepted": _INTS, "committed": _INTS,
+    "accepted_ranks": {"type": "array", "items": _INTS},
+    "times_ms": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "number"}}},
+}
+
+_PROMPT = {
+    "prompt_id": {"type": "string"}, "method": {"type": "string"}, "budget": _OPT_INT, **_TOTALS,
+    "ttft_s": _NUM, "num_rounds": _INT, **_COUNTERS, "token_ids": _INTS, "text": {"type": "string"},
+    "rounds": {"type": "object", "required": list(_ROUNDS), "properties": _ROUNDS},
+}
+
+_RUN = {
+    "method": {"type": "string"},
+    "budget": _OPT_INT,
+    "budget_setting": {"type": ["integer", "string", "null"]},
+    "interrupted": {"type": "boolean"},
+    "speedup_vs_ar": {"type": ["number", "null"]},
+    "aggregate": {"type": "object", "properties": _AGGREGATE},
+    "prompts": {"type": "array", "items": {"type": "object", "properties": _PROMPT}},
+}
+
+_METADATA = {
+    "timestamp": {"type": "string"},
+    "ddtree_version": {"type": "string"},
+    "python_version": {"type": "string"},
+    "torch_version": {"type": ["string", "null"]},
+    "transformers_version": {"type": ["string", "null"]},
+    "gpus": {"type": "array", "items": {"type": "string"}},
+    "interrupted": {"type": "boolean"},
+    "interrupted_prompt": {"type": ["string", "null"]},
+}
+
+
+def _required(props: dict, *optional: str) -> list[str]:
+    return [k for k in props if k not in _ADDED and k not in optional]
+
+
+_AGGREGATE_SCHEMA = _RUN["aggregate"]
+_AGGREGATE_SCHEMA["required"] = _required(_AGGREGATE)
+_RUN["prompts"]["items"]["required"] = _required(_PROMPT)
 
 SCHEMA: dict = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -374,146 +457,37 @@ SCHEMA: dict = {
     "required": ["schema", "metadata", "runs"],
     "properties": {
         "schema": {"const": SCHEMA_VERSION},
-        "metadata": {
-            "type": "object",
-            "required": ["timestamp", "ddtree_version"],
-            "properties": {
-                "timestamp": {"type": "string"},
-                "ddtree_version": {"type": "string"},
-                "python_version": {"type": "string"},
-                "torch_version": {"type": ["string", "null"]},
-                "transformers_version": {"type": ["string", "null"]},
-                "gpus": {"type": "array", "items": {"type": "string"}},
-            },
-        },
-        "runs": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["method", "budget", "aggregate", "prompts", "speedup_vs_ar"],
-                "properties": {
-                    "method": {"type": "string"},
-                    "budget": {"type": ["integer", "null"]},
-                    "speedup_vs_ar": {"type": ["number", "null"]},
-                    "aggregate": {
-                        "type": "object",
-                        "required": [
-                            "num_prompts", "prompt_tokens", "new_tokens", "prefill_s", "decode_s",
-                            "total_s", "decode_tok_s", "e2e_tok_s", "mean_ttft_s", "rounds",
-                            "committed_tokens", "mean_committed_per_round", "block_size",
-                            "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                            "num_accepted_tokens_per_pos", "mean_acceptance_length",
-                            "draft_acceptance_rate", "acceptance_length_histogram",
-                            "per_depth_acceptance_rate", "accepted_rank_histogram", "tree_size",
-                            "stage_times_ms",
-                        ],
-                        "properties": {
-                            "num_prompts": {"type": _INT},
-                            "prompt_tokens": {"type": _INT},
-                            "new_tokens": {"type": _INT},
-                            "prefill_s": {"type": _NUM},
-                            "decode_s": {"type": _NUM},
-                            "total_s": {"type": _NUM},
-                            "decode_tok_s": {"type": _NUM},
-                            "e2e_tok_s": {"type": _NUM},
-                            "mean_ttft_s": {"type": _NUM},
-                            "rounds": {"type": _INT},
-                            "committed_tokens": {"type": _INT},
-                            "mean_committed_per_round": {"type": _NUM},
-                            "block_size": {"type": ["integer", "null"]},
-                            "num_drafts": {"type": _INT},
-                            "num_draft_tokens": {"type": _INT},
-                            "num_accepted_tokens": {"type": _INT},
-                            "num_accepted_tokens_per_pos": {"type": "array", "items": {"type": "integer"}},
-                            "mean_acceptance_length": {"type": _NUM},
-                            "draft_acceptance_rate": {"type": _NUM},
-                            "acceptance_length_histogram": _COUNT_HIST,
-                            "per_depth_acceptance_rate": {
-                                "type": "array",
-                                "items": {"type": ["number", "null"]},
-                            },
-                            "accepted_rank_histogram": _COUNT_HIST,
-                            "tree_size": {
-                                "type": "object",
-                                "required": ["mean", "min", "max"],
-                                "properties": {
-                                    "mean": {"type": _NUM},
-                                    "min": {"type": _INT},
-                                    "max": {"type": _INT},
-                                    "histogram": _COUNT_HIST,
-                                },
-                            },
-                            "stage_times_ms": {
-                                "type": "object",
-                                "additionalProperties": {
-                                    "type": "object",
-                                    "required": ["total", "mean"],
-                                    "properties": {"total": {"type": _NUM}, "mean": {"type": _NUM}},
-                                },
-                            },
-                        },
-                    },
-                    "prompts": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": [
-                                "prompt_id", "method", "budget", "prompt_tokens", "new_tokens",
-                                "prefill_s", "decode_s", "ttft_s", "decode_tok_s", "e2e_tok_s",
-                                "num_rounds", "num_drafts", "num_draft_tokens",
-                                "num_accepted_tokens", "mean_acceptance_length", "token_ids",
-                                "text", "rounds",
-                            ],
-                            "properties": {
-                                "prompt_id": {"type": "string"},
-                                "method": {"type": "string"},
-                                "budget": {"type": ["integer", "null"]},
-                                "prompt_tokens": {"type": _INT},
-                                "new_tokens": {"type": _INT},
-                                "prefill_s": {"type": _NUM},
-                                "decode_s": {"type": _NUM},
-                                "ttft_s": {"type": _NUM},
-                                "decode_tok_s": {"type": _NUM},
-                                "e2e_tok_s": {"type": _NUM},
-                                "num_rounds": {"type": _INT},
-                                "num_drafts": {"type": _INT},
-                                "num_draft_tokens": {"type": _INT},
-                                "num_accepted_tokens": {"type": _INT},
-                                "mean_acceptance_length": {"type": _NUM},
-                                "token_ids": {"type": "array", "items": {"type": "integer"}},
-                                "text": {"type": "string"},
-                                "rounds": {
-                                    "type": "object",
-                                    "required": [
-                                        "tree_size", "tree_depth", "accepted", "committed",
-                                        "accepted_ranks", "times_ms",
-                                    ],
-                                    "properties": {
-                                        "tree_size": {"type": "array", "items": {"type": "integer"}},
-                                        "tree_depth": {"type": "array", "items": {"type": "integer"}},
-                                        "accepted": {"type": "array", "items": {"type": "integer"}},
-                                        "committed": {"type": "array", "items": {"type": "integer"}},
-                                        "accepted_ranks": {
-                                            "type": "array",
-                                            "items": {"type": "array", "items": {"type": "integer"}},
-                                        },
-                                        "times_ms": {
-                                            "type": "object",
-                                            "additionalProperties": {
-                                                "type": "array",
-                                                "items": {"type": "number"},
-                                            },
-                                        },
-                                    },
-                                },
-                            },
-                        },
-                    },
-                },
-            },
-        },
+        "metadata": {"type": "object", "required": ["timestamp", "ddtree_version"], "properties": _METADATA},
+        "runs": {"type": "array", "items": {"type": "object", "required": _required(_RUN), "properties": _RUN}},
     },
 }
+
+
+def tokens_per_forward(agg: dict) -> float | None:
+    """A run's headline: committed tokens per target forward over all rounds (documents written
+    before the key existed: from their committed_tokens and rounds; None when neither is there)."""
+    if "tokens_per_target_forward" in agg:
+        return float(agg["tokens_per_target_forward"])
+    if "committed_tokens" in agg and "rounds" in agg:
+        return agg["committed_tokens"] / agg["rounds"] if agg["rounds"] else 0.0
+    return None
+
+
+def plain_steps(agg: dict) -> int | None:
+    """Rounds without a draft (older documents: rounds - num_drafts)."""
+    if "num_plain_steps" in agg:
+        return int(agg["num_plain_steps"])
+    if "rounds" in agg and "num_drafts" in agg:
+        return int(agg["rounds"]) - int(agg["num_drafts"])
+    return None
+
+
+def is_auto(run: dict) -> bool:
+    """A ``--budget auto`` ddtree run (older generate documents wrote budget null and no
+    budget_setting; a fixed-budget run always has its budget)."""
+    if run.get("method") != "ddtree":
+        return False
+    return run.get("budget_setting") == "auto" or run.get("budget") is None
 
 
 def _type_ok(value: Any, t: str) -> bool:
@@ -636,26 +610,40 @@ def _dumps(x: Any, indent: int = 0) -> str:
     return json.dumps(x, ensure_ascii=False, allow_nan=False)
 
 
-def write_json(doc: dict, path: str | os.PathLike) -> Path:
-    """Write ``doc`` as UTF-8 JSON (parent folders created); returns the path."""
+def write_json(doc: dict, path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Write ``doc`` as UTF-8 JSON, gzipped when the name ends in ``.gz`` (parent folders
+    created); returns the path. ``flag`` names the option in the error message."""
     p = Path(path)
+    data = (_dumps(_jsonable(doc)) + "\n").encode("utf-8")
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(_dumps(_jsonable(doc)) + "\n", encoding="utf-8")
+        if p.suffix == ".gz":
+            with gzip.open(p, "wb") as f:
+                f.write(data)
+        else:
+            p.write_bytes(data)
     except OSError as e:
         raise DDTreeError(
-            f"cannot write results to '{p}' ({e.strerror or type(e).__name__}): pick a writable --out path"
+            f"cannot write results to '{p}' ({e.strerror or type(e).__name__}): pick a writable {flag} path"
         ) from None
     return p
 
 
 def read_json(path: str | os.PathLike) -> dict:
-    """Read a JSON document (not validated: call :func:`validate_document`)."""
+    """Read a JSON document, plain or gzipped (told apart by the gzip magic bytes, not the
+    name). Not validated: call :func:`validate_document`."""
     p = Path(path)
+    if p.is_dir():
+        raise DDTreeError(f"results file '{p}' is a directory: pass the JSON file written by ddtree bench")
     if not p.is_file():
         raise DDTreeError(f"results file '{p}' not found: pass the JSON file written by ddtree bench")
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        data = p.read_bytes()
+        if data[:2] == b"\x1f\x8b":
+            data = gzip.decompress(data)
+        return json.loads(data.decode("utf-8"))
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise DDTreeError(f"results file '{p}' is a damaged gzip file ({e}): pass the file written by ddtree bench") from None
     except json.JSONDecodeError as e:
         raise DDTreeError(
             f"results file '{p}' is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): "

@@ -223,3 +223,114 @@ def test_config_hash(tmp_path):
     assert config_hash(tmp_path) == want  # a model folder means its config.json
     with pytest.raises(DDTreeError, match="cannot hash"):
         config_hash(tmp_path / "missing.json")
+
+
+def auto_records() -> list[GenerationRecord]:
+    """--budget auto: two drafted rounds and three plain steps (tree_size 0: the bonus alone)."""
+    rounds = [
+        RoundRecord(32, 5, 3, [0, 0, 1], 4, _t(1, 0, 5, 0)),
+        RoundRecord(0, 0, 0, [], 1, _t(0.5, 0, 3, 0)),
+        RoundRecord(0, 0, 0, [], 1, _t(0.5, 0, 3, 0)),
+        RoundRecord(8, 3, 1, [0], 2, _t(1, 0, 4, 0)),
+        RoundRecord(0, 0, 0, [], 1, _t(0.5, 0, 3, 0)),
+    ]
+    return [GenerationRecord("a", 10, 10, list(range(10)), "x" * 10, 0.1, 1.0, 0.1, "ddtree", None, rounds)]
+
+
+def test_headline_counts_plain_steps():
+    """Tokens per target forward = committed / rounds over every round; the mean acceptance
+    length (1 + accepted / drafts) covers the drafted rounds only, so auto's plain steps leave it
+    higher."""
+    agg = aggregate(auto_records())
+    assert agg["rounds"] == 5 and agg["num_drafts"] == 2 and agg["num_plain_steps"] == 3
+    assert agg["tokens_per_target_forward"] == pytest.approx(9 / 5)
+    assert agg["mean_acceptance_length"] == pytest.approx(1 + 4 / 2)
+    assert agg["tree_size"]["histogram"] == {"0": 3, "8": 1, "32": 1}
+    d = generation_to_dict(auto_records()[0])
+    assert d["tokens_per_target_forward"] == pytest.approx(9 / 5) and d["num_plain_steps"] == 3
+    # ar: every round a plain step, one token per forward
+    ar = aggregate(ar_records())
+    assert ar["tokens_per_target_forward"] == 1.0 and ar["num_plain_steps"] == 4
+    # fixed budget, no plain steps: the two agree but for rounds cut short (the last, by max_new_tokens)
+    dd = aggregate(ddtree_records())
+    assert dd["num_plain_steps"] == 0 and dd["tokens_per_target_forward"] == pytest.approx(9 / 4)
+    assert aggregate([])["tokens_per_target_forward"] == 0.0
+
+
+def test_budget_setting_and_interrupted_in_the_document():
+    from ddtree.stats import is_auto
+
+    doc = make_run_document(run_metadata(interrupted=True, interrupted_prompt="b"), [
+        {"method": "ddtree", "budget": None, "budget_setting": "auto", "records": auto_records(), "interrupted": True},
+        {"method": "ddtree", "budget": 8, "budget_setting": 8, "records": ddtree_records()},
+    ])
+    validate_document(doc)
+    auto, fixed = doc["runs"]
+    assert auto["budget_setting"] == "auto" and auto["interrupted"] is True and is_auto(auto)
+    assert fixed["budget_setting"] == 8 and fixed["interrupted"] is False and not is_auto(fixed)
+    assert doc["metadata"]["interrupted"] is True and doc["metadata"]["interrupted_prompt"] == "b"
+    bad = copy.deepcopy(doc)
+    bad["runs"][0]["budget_setting"] = 1.5
+    with pytest.raises(ValueError, match=r"runs\[0\]\.budget_setting"):
+        validate_document(bad)
+
+
+def _strip_added(doc: dict) -> dict:
+    """A ddtree.stats/1 document as written before the added keys existed."""
+    old = copy.deepcopy(doc)
+    for run in old["runs"]:
+        run.pop("budget_setting"), run.pop("interrupted")
+        for d in [run["aggregate"], *run["prompts"]]:
+            d.pop("tokens_per_target_forward"), d.pop("num_plain_steps")
+    return old
+
+
+def test_documents_written_before_stay_readable(tmp_path):
+    from ddtree.stats import is_auto, plain_steps, tokens_per_forward
+
+    new = make_run_document(run_metadata(), [
+        {"method": "ddtree", "budget": None, "budget_setting": "auto", "records": auto_records()}])
+    old = _strip_added(new)
+    validate_document(old)
+    (run,) = old["runs"]
+    assert is_auto(run)  # an old generate --budget auto document: budget null, no budget_setting
+    assert tokens_per_forward(run["aggregate"]) == pytest.approx(new["runs"][0]["aggregate"]["tokens_per_target_forward"])
+    assert plain_steps(run["aggregate"]) == 3
+    back = read_json(write_json(old, tmp_path / "old.json"))
+    validate_document(back)
+    # a required key still is one
+    del back["runs"][0]["aggregate"]["rounds"]
+    with pytest.raises(ValueError, match="missing required key 'rounds'"):
+        validate_document(back)
+
+
+def test_schema_lists_each_field_once():
+    """The per-prompt entry's counters and the aggregate's are one list, so they cannot drift."""
+    agg = SCHEMA["properties"]["runs"]["items"]["properties"]["aggregate"]
+    prompt = SCHEMA["properties"]["runs"]["items"]["properties"]["prompts"]["items"]
+    shared = {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length",
+              "tokens_per_target_forward", "num_plain_steps", "prompt_tokens", "new_tokens", "decode_tok_s"}
+    for k in shared:
+        assert agg["properties"][k] is prompt["properties"][k], k
+    d = generation_to_dict(ddtree_records()[0])
+    assert set(prompt["properties"]) == set(d)  # every key written is described, and nothing else
+    assert set(agg["properties"]) == set(aggregate(ddtree_records()))
+
+
+def test_gzip_round_trip(tmp_path):
+    import gzip
+
+    doc = _document()
+    p = write_json(doc, tmp_path / "r.json.gz")
+    assert p.read_bytes()[:2] == b"\x1f\x8b"
+    assert json.loads(gzip.decompress(p.read_bytes())) == json.loads(json.dumps(doc))
+    assert read_json(p) == json.loads(json.dumps(doc))
+    plain = tmp_path / "gzipped-without-the-suffix.json"
+    plain.write_bytes(p.read_bytes())  # told apart by content, not by name
+    assert read_json(plain) == read_json(p)
+    broken = tmp_path / "broken.json.gz"
+    broken.write_bytes(p.read_bytes()[:40])
+    with pytest.raises(DDTreeError, match="damaged gzip"):
+        read_json(broken)
+    with pytest.raises(DDTreeError, match="pick a writable --stats-json path"):
+        write_json(doc, tmp_path / "r.json.gz" / "x.json", flag="--stats-json")

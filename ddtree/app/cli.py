@@ -1,54 +1,35 @@
-"""The ``ddtree`` command line: ``generate``, ``bench``, ``plan``, ``plot``, ``selftest``.
+"""The ``ddtree`` command line: ``generate``, ``bench``, ``plot``, ``selftest``.
 
-Every command takes ``--config FILE`` (TOML, ``ddtree.app.settings``); flags given on the command
-line override the file, the file overrides the defaults. Options a file can set therefore
-default to ``None`` here and get their real defaults in ``settings.merge``.
+Every option is defined once, in ``ddtree.app.options``; the commands are built from that
+table. Every command takes ``--config FILE`` (TOML, ``ddtree.app.settings``): flags given on the
+command line override the file, the file overrides the defaults.
 
 Output discipline: ``generate`` writes the generated text, and only it, to stdout as it is
-produced; logs (loguru), progress bars and summaries go to stderr. A user-facing problem
-(:class:`ddtree.errors.DDTreeError`) is printed as one ``error: ...`` line on stderr with exit
-status 2 and no traceback; so is running out of GPU memory.
+produced (or, with ``--jsonl``, one JSON object per prompt); logs (loguru), progress bars and
+summaries go to stderr. Bad input of any kind, including what click itself rejects (an option
+value that does not parse, an unknown option), is printed as one ``error: ...`` line on stderr
+with exit status 2 and no traceback; so is running out of GPU memory. Arguments and paths are
+checked before torch or transformers is imported. Ctrl-C keeps what was finished (summary,
+statistics, bench runs) and exits with status 130.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
 from loguru import logger
+from typer.core import TyperCommand, TyperGroup
 
+from ddtree.app.options import BY_NAME, defaults, options_for
 from ddtree.errors import DDTreeError
-
-app = typer.Typer(
-    name="ddtree",
-    help="Exact DDTree speculative decoding for Qwen3.5/3.6 Gated-DeltaNet hybrids and Qwen3 with z-lab DFlash drafters.",
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-GENERATE_DEFAULTS: dict[str, Any] = {
-    "target": None,
-    "drafter": None,
-    "method": None,  # ddtree when a drafter is given, else ar
-    "budget": 32,
-    "max_new_tokens": 256,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "seed": 0,
-    "dtype": None,  # bfloat16 on cuda, float32 on cpu
-    "devices": "auto",
-    "max_length": None,
-    "raw": False,
-    "thinking": True,
-    "prompts": None,
-    "tp": 1,
-}
 
 OOM_MESSAGE = "out of GPU memory while {stage}: lower --max-length / --budget or add devices with --devices cuda:0,cuda:1"
 
@@ -60,8 +41,73 @@ def _set_stage(what: str) -> None:
 
 
 # ============================================================================================
-# plumbing: logging, errors, settings
+# plumbing: one-line errors, logging, settings
 # ============================================================================================
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+def _fail(message: str, code: int = 2) -> None:
+    sys.stdout.flush()
+    print(f"error: {_one_line(message)}", file=sys.stderr, flush=True)
+    raise typer.Exit(code)
+
+
+# the click exceptions typer raises (recent typers vendor their own click)
+_click = sys.modules[typer.BadParameter.__module__]
+_NoArgsIsHelp = getattr(_click, "NoArgsIsHelpError", ())
+
+
+def _usage_line(e) -> str:
+    """click's usage error as one line naming the help to read."""
+    msg = _one_line(e.format_message()).rstrip(".")
+    msg = msg[:1].lower() + msg[1:]
+    ctx = getattr(e, "ctx", None)
+    where = ctx.command_path if ctx is not None else "ddtree"
+    return f"error: {msg}: see '{where} --help'"
+
+
+class OneLineErrors(TyperGroup):
+    """click's parse errors (an option value that does not parse, an unknown option, a missing
+    argument) as one ``error: ...`` line with exit status 2, like every other bad input."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NoArgsIsHelp as e:  # plain `ddtree`: the help is the answer
+            e.show()
+            sys.exit(e.exit_code)
+        except _click.ClickException as e:
+            sys.stdout.flush()
+            print(_usage_line(e), file=sys.stderr, flush=True)
+            sys.exit(2 if isinstance(e, _click.UsageError) else e.exit_code)
+        except typer.Abort:
+            print("error: aborted", file=sys.stderr, flush=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+class _Command(TyperCommand):
+    """Usage line: RESULTS, not typer's {RESULTS}, for a required argument."""
+
+    def collect_usage_pieces(self, ctx):
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+
+app = typer.Typer(
+    name="ddtree",
+    cls=OneLineErrors,
+    help="Exact DDTree speculative decoding for Qwen3.5/3.6 Gated-DeltaNet hybrids and Qwen3 with z-lab DFlash drafters.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -72,26 +118,17 @@ def _setup_logging(verbose: bool) -> None:
         format="<dim>{time:HH:mm:ss}</dim> <level>{level.name[0]}</level> {message}",
         colorize=bool(getattr(sys.stderr, "isatty", lambda: False)()),
     )
-    try:
-        import transformers
-
-        if not verbose:
-            transformers.logging.set_verbosity_error()
-    except Exception:  # pragma: no cover - transformers always installed
-        pass
-
-
-def _fail(message: str, code: int = 2) -> None:
-    sys.stdout.flush()
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    raise typer.Exit(code)
+    if not verbose:  # read when transformers is imported (importing it here would cost seconds)
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _oom_types() -> tuple[type, ...]:
+    if "torch" not in sys.modules:  # nothing ran on a GPU yet
+        return ()
     import torch
 
     types = [getattr(torch.cuda, "OutOfMemoryError", None), getattr(torch, "OutOfMemoryError", None)]
-    return tuple(t for t in types if isinstance(t, type)) or (MemoryError,)
+    return tuple(t for t in types if isinstance(t, type))
 
 
 def _guarded(fn: Callable) -> Callable:
@@ -108,7 +145,7 @@ def _guarded(fn: Callable) -> Callable:
             _fail(str(e))
         except KeyboardInterrupt:
             sys.stdout.flush()
-            print("\ninterrupted", file=sys.stderr, flush=True)
+            print("interrupted", file=sys.stderr, flush=True)
             raise typer.Exit(130) from None
         except BrokenPipeError:  # e.g. `ddtree generate ... | head`
             try:
@@ -117,29 +154,62 @@ def _guarded(fn: Callable) -> Callable:
                 pass
             raise typer.Exit(0) from None
         except Exception as e:
-            if isinstance(e, _oom_types()):
+            oom = _oom_types()
+            if oom and isinstance(e, oom):
                 _fail(OOM_MESSAGE.format(stage=_stage[0]))
             raise
 
     return wrapper
 
 
-def _merge(config: Optional[Path], cli_values: dict, defaults: dict) -> dict:
+def resolve_options(command: str, values: dict) -> tuple[dict, frozenset]:
+    """Defaults < the --config file's keys that this command takes < the flags given.
+    Returns the options and the names given on the command line."""
     from ddtree.app.settings import load_settings, merge
 
-    settings = load_settings(config) if config is not None else {}
-    return merge(settings, cli_values, defaults)
+    settings = load_settings(values["config"]) if values.get("config") is not None else {}
+    mine = {o.name for o in options_for(command) if o.file_applies(command)}
+    from_file = {k: v for k, v in settings.items() if k in mine}
+    flags = {k: v for k, v in values.items() if v is not None and k != "config" and not BY_NAME[k].argument}
+    return merge(from_file, flags, defaults(command)), frozenset(flags)
 
 
-# typer option factories (shared between commands) -------------------------------------------
-
-def _opt_config():
-    return typer.Option(None, "--config", "-c", help="TOML settings file (configs/*.toml); flags override it.",
-                        dir_okay=False)
+# typer parameters from the option table ------------------------------------------------------
 
 
-def _opt_verbose():
-    return typer.Option(False, "--verbose", "-v", help="Debug logging on stderr.")
+def _typer_default(o, command: str):
+    text = o.help_for(command)
+    shown = o.default_text(command)
+    if shown and not o.argument:
+        text += f" (default: {shown})"
+    if o.argument:
+        return typer.Argument(None if o.name == "prompt" else ..., metavar=o.flag, help=text, show_default=False)
+    decls = [f"{o.flag}/{o.negative}" if o.negative else o.flag, *o.flags[1:]]
+    return typer.Option(None, *decls, help=text, metavar=o.metavar, min=o.min, max=o.max, show_default=False)
+
+
+def _command(name: str, body: Callable[..., Any], doc: str) -> None:
+    """Register `ddtree NAME` with the options the table gives it; body(opts, given, **arguments)."""
+    table = options_for(name)
+    params = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=_typer_default(o, name),
+                                annotation=Optional[o.type]) for o in table]
+
+    @_guarded
+    def command(**values):
+        from ddtree.app.setup import NOTICES
+
+        NOTICES.clear()  # (in-process runs: nothing left over from a command that failed)
+        arguments = {o.name: values.pop(o.name) for o in table if o.argument}
+        opts, given = resolve_options(name, values)
+        _setup_logging(bool(opts["verbose"]))
+        opts.pop("verbose")
+        return body(opts, given, **arguments)
+
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = doc
+    command.__name__ = name
+    app.command(name, cls=_Command)(command)
 
 
 # ============================================================================================
@@ -147,18 +217,29 @@ def _opt_verbose():
 # ============================================================================================
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 class _Streamer:
-    """Prints the newly decoded suffix of the whole generation as tokens arrive.
+    """Prints the newly decoded suffix of the whole generation as tokens arrive (echo=False:
+    only collects them, for --jsonl).
 
     Decoding the whole id list keeps multi-token characters and byte-level merges right; a text
     ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next tokens complete it.
+    The arrival times make the summary of a generation that Ctrl-C cut short.
     """
 
-    def __init__(self, tokenizer, out=None):
+    def __init__(self, tokenizer, echo: bool = True, out=None):
         self.tok = tokenizer
+        self.echo = echo
         self.out = out
         self.ids: list[int] = []
         self.printed = ""
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.finished = False
 
     def _write(self, s: str) -> None:
         out = self.out or sys.stdout
@@ -170,368 +251,312 @@ class _Streamer:
             self._write(text[len(self.printed):])
             self.printed = text
 
+    def text(self) -> str:
+        return self.tok.decode(self.ids, skip_special_tokens=True)
+
     def __call__(self, toks: list[int]) -> None:
+        self.t_last = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = self.t_last
         self.ids.extend(int(t) for t in toks)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            self._emit(text)
+        if self.echo:
+            text = self.text()
+            if not text.endswith("\ufffd"):
+                self._emit(text)
 
     def finish(self) -> None:
-        self._emit(self.tok.decode(self.ids, skip_special_tokens=True))
-        self._write("\n")
+        if self.echo and not self.finished:
+            self._emit(self.text())
+            self._write("\n")
+        self.finished = True
+
+
+def _run_label(method: str, budget) -> str:
+    return f"ddtree {budget}" if method == "ddtree" else method
+
+
+def summary_line(rec, label: str) -> str:
+    """The stderr line after a generation: the headline is tokens per target forward over all
+    rounds; the mean acceptance length over the drafted rounds stands beside it, named so."""
+    from ddtree.stats import aggregate
+
+    a = aggregate([rec])
+    line = (f"{label}: {rec.new_tokens} new tokens from a {rec.prompt_tokens}-token prompt, "
+            f"{rec.decode_tok_s:.1f} tok/s decode, time to first token {rec.ttft_s * 1e3:.0f} ms")
+    if not a["rounds"]:
+        return line + ", no decode rounds (prefill made the only token)"
+    line += f", {a['tokens_per_target_forward']:.2f} tokens per target forward over {_plural(a['rounds'], 'round')}"
+    if rec.method != "ar":
+        line += f" (mean acceptance length {a['mean_acceptance_length']:.2f} over {_plural(a['num_drafts'], 'drafted round')}"
+        if a["num_plain_steps"]:
+            line += f", {_plural(a['num_plain_steps'], 'plain step')}"
+        line += ")"
+    return line
+
+
+def _partial_line(p, n_prompt: int, s: _Streamer, label: str) -> str:
+    n = len(s.ids)
+    if n == 0:
+        return f"{label}: interrupted before the first token of {p.label}"
+    rate = (n - 1) / (s.t_last - s.t_first) if n > 1 and s.t_last > s.t_first else 0.0
+    return (f"{label}: interrupted after {n} new tokens from a {n_prompt}-token prompt, {rate:.1f} tok/s decode, "
+            f"time to first token {(s.t_first - s.t0) * 1e3:.0f} ms ({p.label} unfinished: not in the statistics)")
+
+
+def _jsonl_record(p, rec=None, streamer: _Streamer | None = None, n_prompt: int = 0) -> dict:
+    """--jsonl: one object per prompt (documented in the README)."""
+    from ddtree.stats import aggregate
+
+    if rec is None:  # cut short by Ctrl-C
+        return {"id": p.id, "text": streamer.text() if streamer else "", "interrupted": True,
+                "prompt_tokens": n_prompt, "new_tokens": len(streamer.ids) if streamer else 0}
+    a = aggregate([rec])
+    return {"id": p.id, "text": rec.text, "interrupted": False, "method": rec.method, "budget": rec.budget,
+            "prompt_tokens": rec.prompt_tokens, "new_tokens": rec.new_tokens,
+            "decode_tok_s": rec.decode_tok_s, "ttft_s": rec.ttft_s, "rounds": a["rounds"],
+            "tokens_per_target_forward": a["tokens_per_target_forward"],
+            "mean_acceptance_length": a["mean_acceptance_length"], "num_drafts": a["num_drafts"],
+            "num_plain_steps": a["num_plain_steps"]}
+
+
+def _print_jsonl(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
 
 
 def _read_prompts(prompt: Optional[str], prompts_spec: Optional[str], limit: Optional[int]):
     from ddtree.app.prompts import Prompt, load_prompts
+    from ddtree.app.setup import stdin_text
 
     if prompt is not None:
-        if prompt == "-":
-            if sys.stdin is None:
-                raise DDTreeError("'-' reads the prompt from stdin, but there is no stdin: pass the prompt as an argument")
-            prompt = sys.stdin.read()
-        if not prompt.strip():
+        from_stdin = prompt == "-"
+        text = stdin_text() if from_stdin else prompt
+        if not text.strip():
             raise DDTreeError("empty prompt: pass a non-empty prompt (argument, '-' for stdin, or --prompts FILE|SUITE)")
-        return [Prompt(id="cli", text=prompt)]
+        return [Prompt(id="stdin" if from_stdin else "cli", text=text, from_cli=True)]
     if prompts_spec:
         return load_prompts(str(prompts_spec), limit)
     raise DDTreeError("no prompt: pass PROMPT as an argument, '-' to read it from stdin, or --prompts FILE|SUITE")
 
 
-def _summary(rec, budget: int | str = "auto") -> str:
-    from ddtree.stats import aggregate
+def _warn_generate(opts: dict, given: frozenset, method: str, prompt: Optional[str]) -> None:
+    from ddtree.app.setup import warn_ignored
 
-    a = aggregate([rec])
-    return (
-        f"{rec.new_tokens} new tokens, {rec.decode_tok_s:.1f} tok/s decode, "
-        f"time to first token {rec.ttft_s * 1e3:.0f} ms, mean acceptance length {a['mean_acceptance_length']:.2f}, "
-        f"{len(rec.rounds)} rounds ({rec.method}{f' {rec.budget or budget}' if rec.method == 'ddtree' else ''})"
-    )
-
-
-def _tp_module():
-    try:
-        from ddtree.parallel import tp as tp_module
-    except ModuleNotFoundError as e:
-        if e.name in ("ddtree.parallel.tp",):
-            raise DDTreeError("tensor parallelism not available in this build: drop --tp, or split layers with --devices cuda:0,cuda:1") from None
-        raise
-    if not hasattr(tp_module, "run_generate_tp"):
-        raise DDTreeError("tensor parallelism not available in this build: drop --tp, or split layers with --devices cuda:0,cuda:1")
-    return tp_module
+    if "budget" in given and method != "ddtree":
+        warn_ignored("--budget", f"it sizes ddtree's trees, and the method is {method}")
+    if "top1_first" in given and method != "ddtree":
+        warn_ignored("--top1-first", f"it shapes ddtree's trees, and the method is {method}")
+    if prompt is not None:
+        for name in ("prompts", "limit"):
+            if name in given:
+                warn_ignored(BY_NAME[name].flag, "PROMPT is given, and it is the prompt")
+    elif "limit" in given and not opts["prompts"]:
+        warn_ignored("--limit", "it limits --prompts, and there is none")
+    _warn_sampling(opts, given)
 
 
-def _generate_tp(tp_module, opts: dict, spec, encoded: list, streamers: list, max_len: int, top1_first: bool) -> list:
-    """Run the prompts under tensor parallelism (ddtree.parallel.tp spawns the ranks); rank 0's tokens stream here."""
-    args = dict(
-        target=str(spec.target_dir), drafter=str(spec.drafter_dir) if spec.drafter_dir is not None else None,
-        method=opts["method"], budget=opts["budget"], max_new_tokens=opts["max_new_tokens"],
-        temperature=float(opts["temperature"]), top_p=float(opts["top_p"]), top_k=int(opts["top_k"]), seed=opts["seed"],
-        dtype=str(spec.dtype).replace("torch.", ""), device_type=spec.devices[0].type, max_length=max_len,
-        stop_ids=sorted(spec.stop_ids), tp=int(opts["tp"]), top1_first=top1_first,
-    )
-    decode_text = lambda ids: spec.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    _set_stage(f"generating ({opts['method']}, tensor parallel over {args['tp']} ranks)")
-    if len(encoded) > 1 and hasattr(tp_module, "run_generate_tp_jobs"):
-        current = [0]
+def _warn_sampling(opts: dict, given: frozenset) -> None:
+    from ddtree.app.setup import warn_ignored
 
-        def on_tokens(i, toks):
-            while current[0] < i:  # the previous prompt is done
-                streamers[current[0]].finish()
-                current[0] += 1
-            streamers[i](toks)
-
-        jobs = [dict(prompt_ids=ids, prompt_id=p.id) for p, ids in encoded]
-        records = tp_module.run_generate_tp_jobs(args, jobs, on_tokens=on_tokens, decode_text=decode_text)
-        for s in streamers[current[0]:]:
-            s.finish()
-        return list(records)
-    records = []
-    for (p, ids), streamer in zip(encoded, streamers):
-        rec = tp_module.run_generate_tp(dict(args, prompt_ids=ids, prompt_id=p.id), on_tokens=streamer,
-                                        decode_text=decode_text)
-        streamer.finish()
-        records.append(rec)
-    return records
+    if float(opts["temperature"]) == 0:
+        for name in ("top_p", "top_k", "seed"):
+            if name in given:
+                warn_ignored(BY_NAME[name].flag, "--temperature 0 is greedy")
 
 
-def run_generate(opts: dict, prompt: Optional[str], limit: Optional[int] = None, top1_first: bool = False,
-                 stats_json: Optional[Path] = None) -> list:
+def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[str] = None) -> list:
     """`ddtree generate` after option merging; returns the GenerationRecords."""
-    from ddtree.app.bench import (check_length, decode_text_fn, encode_prompt, inspect_models, load_models,
-                              model_metadata, parse_budget, parse_method, positive_int, sampling_params, tree_room)
-    from ddtree.stats import make_run_document, validate_document, write_json
+    import importlib.util
 
-    method = parse_method(opts["method"], bool(opts["drafter"]))
-    budget = parse_budget(opts["budget"])
-    if method != "ddtree":
-        budget = 32  # unused by ar / dflash (a config's "auto" must not reach them)
-    max_new = positive_int(opts["max_new_tokens"], "--max-new-tokens")
-    if opts["max_length"] is not None:
-        positive_int(opts["max_length"], "--max-length")
-    tp = positive_int(opts["tp"], "--tp")
-    sp = sampling_params(opts)
+    from ddtree.app import setup as S
+
+    # ---- every check that needs no torch, before any heavy import
+    method = S.parse_method(opts["method"], bool(opts["drafter"]))
+    budget = S.parse_budget(opts["budget"])  # checked even where the method ignores it
+    budget = budget if method == "ddtree" else None
+    S.check_sampling(float(opts["temperature"]), float(opts["top_p"]), int(opts["top_k"]))
+    S.check_dtype(opts["dtype"])
+    S.check_devices(opts["devices"])
+    tp = int(opts["tp"])
     if method != "ar" and not opts["drafter"]:
         raise DDTreeError(f"--method {method} needs a drafter: pass --drafter REF (e.g. z-lab/Qwen3.6-27B-DFlash) or use --method ar")
-    prompts = _read_prompts(prompt, opts.get("prompts") if prompt is None else None, limit)
-    tp_module = None
     if tp > 1:
-        tp_module = _tp_module()
+        if importlib.util.find_spec("ddtree.parallel.tp") is None:
+            raise DDTreeError("tensor parallelism not available in this build: drop --tp, or split layers with --devices cuda:0,cuda:1")
         if budget == "auto":
             raise DDTreeError("--budget auto is not supported with --tp yet: pass a number, e.g. --budget 32")
+    stats_path = S.check_output(opts["stats_json"], "--stats-json") if opts["stats_json"] is not None else None
+    S.precheck_model(opts["target"], "target")
+    if method != "ar":
+        S.precheck_model(opts["drafter"], "drafter")
+    prompts_spec = opts["prompts"] if prompt is None else None
+    prompts = _read_prompts(prompt, prompts_spec, opts["limit"])
+    _warn_generate(opts, given, method, prompt)
 
-    spec = inspect_models(opts["target"], opts["drafter"], opts["devices"], opts["dtype"], need_drafter=method != "ar")
-    encoded = [(p, encode_prompt(spec, p, bool(opts["raw"]), bool(opts["thinking"]))) for p in prompts]
-    room = tree_room(method, budget, spec.block_size)
-    longest = max(len(ids) for _, ids in encoded)
-    max_len = check_length(longest, max_new, room, opts["max_length"])
+    # ---- configs and tokenizer, then the weights
+    spec = S.inspect_models(opts["target"], opts["drafter"], opts["devices"], opts["dtype"], need_drafter=method != "ar")
+    S.warn_template(spec, opts, given)
+    encoded = [(p, S.encode_prompt(spec, p, bool(opts["raw"]), bool(opts["thinking"]))) for p in prompts]
+    room = S.tree_room(method, budget, spec.block_size)
+    max_new = int(opts["max_new_tokens"])
+    max_len = S.check_length(max(len(ids) for _, ids in encoded), max_new, room, opts["max_length"],
+                             what="prompt" if len(encoded) == 1 else "the longest prompt")
+    for p, ids in encoded:
+        logger.debug(f"{p.label}: {len(ids)} tokens")
+    label = _run_label(method, budget)
+    jsonl = bool(opts["jsonl"])
+    if len(encoded) > 1 and not jsonl:
+        logger.info(f"{len(encoded)} prompts: their texts follow one another on stdout, each ending with a newline "
+                    "(--jsonl prints one JSON object per prompt)")
 
-    records = []
-    if tp_module is not None:
-        streamers = [_Streamer(spec.tokenizer) for _ in encoded]
-        records = _generate_tp(tp_module, dict(opts, method=method, budget=budget, max_new_tokens=max_new), spec,
-                               encoded, streamers, max_len, top1_first)
-        for rec in records:
-            print(_summary(rec, budget), file=sys.stderr, flush=True)
-    else:
-        loaded = load_models(spec, max_len, method != "ar", _set_stage, room=room)
-        decode_text = decode_text_fn(spec.tokenizer)
-        for i, (p, ids) in enumerate(encoded):
-            if len(encoded) > 1:
-                logger.info(f"prompt {p.id} ({i + 1}/{len(encoded)}, {len(ids)} tokens)")
-            _set_stage(f"generating ({method})")
-            streamer = _Streamer(spec.tokenizer)
-            rec = loaded.decoder.generate(
-                ids, method=method, budget=budget, sampling=sp, max_new_tokens=max_new, stop_ids=spec.stop_ids,
-                seed=opts["seed"], top1_first=top1_first, on_tokens=streamer, prompt_id=p.id, decode_text=decode_text,
-            )
-            streamer.finish()
-            records.append(rec)
-            print(_summary(rec, budget), file=sys.stderr, flush=True)
+    records: list = []
+    current: dict = {}  # the prompt being generated: p, n (prompt tokens), streamer
 
-    if stats_json is not None:
-        run_budget = records[0].budget if method == "ddtree" and isinstance(records[0].budget, int) else None
-        meta = model_metadata(spec, opts, method=method, budget=budget if method == "ddtree" else None, max_length=max_len, top1_first=top1_first,
-                              prompts=opts.get("prompts") if prompt is None else None)
-        doc = make_run_document(meta, [dict(method=method, budget=run_budget, records=records, speedup_vs_ar=None,
-                                            block_size=spec.block_size if method != "ar" else None)])
-        try:
-            validate_document(doc)
-        except ValueError as e:
-            raise DDTreeError(f"internal error: the stats document does not validate ({e}); please report it") from None
-        path = write_json(doc, stats_json)
-        logger.info(f"wrote {path}")
+    def start(p, ids):
+        current.update(p=p, n=len(ids), streamer=_Streamer(spec.tokenizer, echo=not jsonl))
+        return current["streamer"]
+
+    def done(p, rec, streamer):
+        current.clear()
+        streamer.finish()
+        if jsonl:
+            _print_jsonl(_jsonl_record(p, rec))
+        records.append(rec)
+        tag = label if len(encoded) == 1 else f"{p.id} ({label})"
+        print(summary_line(rec, tag), file=sys.stderr, flush=True)
+
+    paths: dict = {}
+    try:
+        if tp > 1:
+            S.flush_notices()
+            _generate_tp(S, spec, dict(opts, max_new_tokens=max_new), method, budget, encoded, max_len, start, done)
+        else:
+            loaded = S.load_models(spec, max_len, method != "ar", _set_stage, room=room)
+            S.flush_notices()  # after the last thing that can fail on bad input
+            paths = S.decoder_paths(loaded.decoder)
+            sp = S.sampling_params(opts)
+            decode_text = S.decode_text_fn(spec.tokenizer)
+            for i, (p, ids) in enumerate(encoded):
+                if len(encoded) > 1:
+                    logger.info(f"prompt {p.id} ({i + 1}/{len(encoded)}, {len(ids)} tokens)")
+                _set_stage(f"generating ({method})")
+                streamer = start(p, ids)
+                rec = loaded.decoder.generate(
+                    ids, method=method, budget=budget if budget is not None else 32, sampling=sp, max_new_tokens=max_new,
+                    stop_ids=spec.stop_ids, seed=opts["seed"], top1_first=bool(opts["top1_first"]), on_tokens=streamer,
+                    prompt_id=p.id, decode_text=decode_text,
+                )
+                done(p, rec, streamer)
+    except KeyboardInterrupt:
+        cut = current.get("p")
+        if cut is not None:
+            current["streamer"].finish()
+            if jsonl:
+                _print_jsonl(_jsonl_record(cut, None, current["streamer"], current["n"]))
+            print(_partial_line(cut, current["n"], current["streamer"], label), file=sys.stderr, flush=True)
+        if stats_path is not None:
+            if records:
+                doc = _generate_document(S, spec, dict(opts, prompts=prompts_spec), method, budget, records, max_len, paths,
+                                         interrupted=True, interrupted_prompt=cut.id if cut is not None else None)
+                S.write_document(doc, stats_path, "--stats-json")
+            elif tp > 1:  # the workers hand their records back at the end
+                logger.warning("interrupted: under --tp no record comes back before the last prompt, --stats-json not written")
+            else:
+                logger.warning("no prompt finished before the interrupt: --stats-json not written")
+        raise
+
+    if stats_path is not None:
+        doc = _generate_document(S, spec, dict(opts, prompts=prompts_spec), method, budget, records, max_len, paths)
+        S.write_document(doc, stats_path, "--stats-json")
     return records
 
 
-@app.command()
-@_guarded
-def generate(
-    prompt: Optional[str] = typer.Argument(None, help="Prompt text, or '-' to read it from stdin.", show_default=False),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model: local directory or hub id (Qwen/Qwen3.6-27B)."),
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="DFlash drafter: local directory or hub id (z-lab/Qwen3.6-27B-DFlash)."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="ar | dflash | ddtree (default: ddtree with a drafter, else ar)."),
-    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Draft-tree nodes per round (ddtree), or auto (default: 32)."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens to generate (default: 256)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (default: 0)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (default: 1)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k sampling, 0 = off (default: 0)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default: 0)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16 on cuda, float32 on cpu)."),
-    devices: Optional[str] = typer.Option(None, "--devices", help="auto, cpu, or cuda:0,cuda:1 (target layers split over them) (default: auto)."),
-    max_length: Optional[int] = typer.Option(None, "--max-length", help="State length to allocate (prompt + new tokens + tree) (default: what the prompt needs)."),
-    raw: Optional[bool] = typer.Option(None, "--raw/--no-raw", help="Send the prompt as is, without the chat template (default: no-raw).", show_default=False),
-    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="enable_thinking in the chat template (default: thinking).", show_default=False),
-    top1_first: bool = typer.Option(False, "--top1-first", help="Grow the drafter's top-1 chain first, then best-first."),
-    stats_json: Optional[Path] = typer.Option(None, "--stats-json", help="Write per-round statistics (ddtree.stats/1 JSON) here.", dir_okay=False),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Without PROMPT: generate for each prompt of a JSONL file or suite (code, math, chat)."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="With --prompts: the first N prompts."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel degree (needs ddtree.parallel.tp) (default: 1)."),
-    config: Optional[Path] = _opt_config(),
-    verbose: bool = _opt_verbose(),
-):
-    """Generate text for one prompt; only the generated text goes to stdout, streamed."""
-    _setup_logging(verbose)
-    opts = _merge(config, dict(target=target, drafter=drafter, method=method, budget=budget, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype, devices=devices,
-                               max_length=max_length, raw=raw, thinking=thinking, prompts=prompts, tp=tp),
-                  GENERATE_DEFAULTS)
-    run_generate(opts, prompt, limit=limit, top1_first=top1_first, stats_json=stats_json)
+def _generate_document(S, spec, opts, method, budget, records, max_len, paths, interrupted=False, interrupted_prompt=None):
+    from ddtree.stats import make_run_document
+
+    meta = S.model_metadata(spec, opts, method=method, budget=budget, max_length=max_len,
+                            top1_first=bool(opts["top1_first"]), prompts=opts.get("prompts"), interrupted=interrupted,
+                            interrupted_prompt=interrupted_prompt, **paths)
+    return make_run_document(meta, [dict(
+        method=method, budget=budget if isinstance(budget, int) else None, budget_setting=budget, records=records,
+        speedup_vs_ar=None, block_size=spec.block_size if method != "ar" else None, interrupted=interrupted,
+    )])
+
+
+def _generate_tp(S, spec, opts: dict, method: str, budget, encoded: list, max_len: int, start, done) -> None:
+    """The prompts under tensor parallelism (ddtree.parallel.tp loads the shards once and spawns
+    the ranks); rank 0's tokens stream here."""
+    tp = S.tp_module()
+    args = dict(S.tp_args(spec, opts, max_len, int(opts["tp"])), method=method, budget=budget or 32)
+    streamers: list = []
+
+    def on_tokens(i, toks):
+        while len(streamers) <= i:  # job i started: the text of the one before it is complete
+            if streamers:
+                streamers[-1].finish()
+            p, ids = encoded[len(streamers)]
+            streamers.append(start(p, ids))
+        streamers[i](toks)
+
+    _set_stage(f"generating ({method}, tensor parallel over {args['tp']} ranks)")
+    jobs = [dict(prompt_ids=ids, prompt_id=p.id) for p, ids in encoded]
+    records = tp.run_generate_tp_jobs(args, jobs, on_tokens=on_tokens, decode_text=S.decode_text_fn(spec.tokenizer))
+    for i, ((p, ids), rec) in enumerate(zip(encoded, records)):
+        done(p, rec, streamers[i] if i < len(streamers) else start(p, ids))
 
 
 # ============================================================================================
-# bench
+# bench, plot, selftest
 # ============================================================================================
 
 
-@app.command()
-@_guarded
-def bench(
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model: local directory or hub id."),
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="DFlash drafter: local directory or hub id."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", "-p", help="JSONL file, built-in suite (code, math, chat) or hf:DATASET[:SPLIT[:FIELD]] (default: code)."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated; ar is always run first (default: ar,dflash,ddtree)."),
-    budgets: Optional[str] = typer.Option(None, "--budgets", help="ddtree budgets, comma-separated (default: 8,16,32,64)."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per prompt (default: 256)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (default: 0)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (default: 1)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k sampling, 0 = off (default: 0)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default: 0)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16 on cuda, float32 on cpu)."),
-    devices: Optional[str] = typer.Option(None, "--devices", help="auto, cpu, or cuda:0,cuda:1 (default: auto)."),
-    max_length: Optional[int] = typer.Option(None, "--max-length", help="State length (default: longest prompt + new tokens + tree + 256)."),
-    raw: Optional[bool] = typer.Option(None, "--raw/--no-raw", help="No chat template (default: no-raw).", show_default=False),
-    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="enable_thinking in the chat template (default: thinking).", show_default=False),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N prompts."),
-    warmup: int = typer.Option(1, "--warmup", help="Uncounted warm-up rounds per run (each generates the shortest and the longest prompt in full, so every graph is captured before timing)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Result JSON (ddtree.stats/1) (default: results/bench.json).", dir_okay=False),
-    top1_first: bool = typer.Option(False, "--top1-first", help="Grow the drafter's top-1 chain first."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel degree (not supported by bench yet).", hidden=True),
-    config: Optional[Path] = _opt_config(),
-    verbose: bool = _opt_verbose(),
-):
-    """Benchmark ar / dflash / ddtree (per budget) on a prompt set: table + JSON."""
-    from ddtree.app.bench import BENCH_DEFAULTS, run_bench
+def run_bench_command(opts: dict, given: frozenset) -> dict:
+    from ddtree.app.bench import run_bench
 
-    _setup_logging(verbose)
-    opts = _merge(config, dict(target=target, drafter=drafter, prompts=prompts, methods=methods, budgets=budgets,
-                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, dtype=dtype, devices=devices, max_length=max_length, raw=raw,
-                               thinking=thinking, out=str(out) if out is not None else None, tp=tp),
-                  dict(BENCH_DEFAULTS, target=None))
-    opts = {k: v for k, v in opts.items() if k not in ("method", "budget")}  # generate-only keys of a shared config
-    opts.update(limit=limit, warmup=warmup, top1_first=top1_first)
-    run_bench(**opts, stage=_set_stage)
+    return run_bench(**opts, stage=_set_stage, given=given)
 
 
-# ============================================================================================
-# plan (ddtree.app.plan)
-# ============================================================================================
+def default_plot_folder(results: Path) -> Path:
+    """results/x.json and results/x.json.gz -> results/x-plots."""
+    name = results.name
+    for suffix in (".json.gz", ".json", ".gz"):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            name = name[: -len(suffix)]
+            break
+    return results.with_name(name + "-plots")
 
 
-@app.command()
-@_guarded
-def plan(
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model: local directory or hub id (only config.json is read)."),
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="DFlash drafter: local directory or hub id."),
-    devices: Optional[str] = typer.Option(None, "--devices", help="cuda:0,cuda:1 (entries may repeat) (default: one per --gpu-memory entry, else cuda:0)."),
-    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Memory per GPU: 2x48GiB, 48GiB,48GiB, 80GB (default: the visible GPUs' total)."),
-    max_length: Optional[int] = typer.Option(None, "--max-length", help="State length to plan for (default: the model's max_position_embeddings)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16)."),
-    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Draft-tree nodes per round, or auto (default: 32)."),
-    attention: str = typer.Option("auto", "--attention", help="SDPA path of the masked attention: math (torch's fallback: A6000, A100), fused (cuDNN: H100/H200), auto (ask the visible GPUs; math with --gpu-memory)."),
-    config: Optional[Path] = _opt_config(),
-    verbose: bool = _opt_verbose(),
-):
-    """Memory plan from the configs alone: the layer split and each GPU's bytes; fails if it does not fit."""
-    from ddtree.app.plan import PLAN_DEFAULTS, run_plan
+def run_plot(opts: dict, given: frozenset, results: Path) -> list:
+    from ddtree.app.setup import check_output, make_parent
 
-    opts = _merge(config, dict(target=target, drafter=drafter, devices=devices, max_length=max_length, dtype=dtype,
-                               budget=budget), PLAN_DEFAULTS)
-    run_plan(opts, gpu_memory, attention, setup=lambda: _setup_logging(verbose))
+    folder = Path(opts["out"]) if opts["out"] is not None else default_plot_folder(Path(results))
+    check_output(folder, "--out", kind="dir")
+    from ddtree.app.plot import _import_matplotlib, checked_document, plot_results
 
-
-# ============================================================================================
-# plot
-# ============================================================================================
-
-
-@app.command()
-@_guarded
-def plot(
-    results: Path = typer.Argument(..., help="Result JSON written by ddtree bench (or generate --stats-json).", dir_okay=False),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for the PNGs (default: RESULTS without .json, plus -plots).", file_okay=False),
-    config: Optional[Path] = _opt_config(),
-    verbose: bool = _opt_verbose(),
-):
-    """Speedup vs budget, acceptance-length histograms and stage times as PNG files."""
-    from ddtree.app.plot import plot_results
-
-    _setup_logging(verbose)
-    if config is not None:
-        _merge(config, {}, {})  # validated for consistency; a config's `out` is bench's JSON path, not a folder
-    folder = out if out is not None else results.with_name(results.stem + "-plots")
-    for p in plot_results(str(results), folder):
+    _import_matplotlib()
+    doc = checked_document(results)  # a missing, unreadable or foreign file fails before any folder is made
+    make_parent(folder, "--out", kind="dir")
+    paths = plot_results(doc, folder, source=str(results))
+    for p in paths:
         print(p, flush=True)
+    return paths
 
 
-# ============================================================================================
-# selftest
-# ============================================================================================
+def run_selftest_command(opts: dict, given: frozenset) -> None:
+    from ddtree.app.selftest import run_selftest
 
-SELFTEST_LAYERS = ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",)
-
-
-@app.command()
-@_guarded
-def selftest(
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda:N (default: cuda if available, else cpu)."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per method (default: 48)."),
-    config: Optional[Path] = _opt_config(),
-    verbose: bool = _opt_verbose(),
-):
-    """Decode a random prompt on a tiny random Qwen3.6-style hybrid pair with ar, dflash and ddtree
-    (budgets 4 and 32) and check every greedy output equals ar's. No download."""
-    import torch
-
-    from ddtree.app.bench import parse_device_list, positive_int
-
-    _setup_logging(verbose)
-    opts = _merge(config, dict(devices=device, max_new_tokens=max_new_tokens), {"devices": "auto", "max_new_tokens": 48})
-    n_new = positive_int(opts["max_new_tokens"], "--max-new-tokens")
-    dev = parse_device_list(opts["devices"])[0]
-    _set_stage("building the random pair")
-    threads = torch.get_num_threads()
-    if dev.type == "cpu":
-        torch.set_num_threads(1)  # a tiny model: more threads only add synchronisation
-    try:
-        _selftest(dev, n_new)
-    finally:
-        torch.set_num_threads(threads)
+    run_selftest(opts, _set_stage)
 
 
-def _selftest(dev, n_new: int) -> None:
-    import time
-
-    import torch
-
-    from ddtree.app.bench import LENGTH_SLACK
-    from ddtree.stats import aggregate
-    from ddtree.model.synthetic import build_random_pair
-
-    t0 = time.perf_counter()
-    vocab, n_prompt = 24, 20  # a small vocabulary: random drafts are accepted often enough to exercise long paths
-    decoder, raw_cfg = build_random_pair("hybrid", seed=0, dtype=torch.float32, device=dev,
-                                         max_len=n_prompt + n_new + LENGTH_SLACK + 33, vocab=vocab, layers=SELFTEST_LAYERS)
-    gen = torch.Generator().manual_seed(1234)
-    prompt = torch.randint(2, vocab, (n_prompt,), generator=gen).tolist()
-    print(f"selftest: tiny random Qwen3.6-style hybrid (8 layers: 3 Gated DeltaNet + 1 gated attention, x2; "
-          f"vocab {vocab}) + 1-layer DFlash drafter (block {decoder.block_size}), {dev}, float32, "
-          f"{n_prompt}-token prompt, {n_new} new tokens, greedy", flush=True)
-    runs = [("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 32)]
-    _set_stage("decoding the selftest prompt")
-    for method, budget in runs:  # warm-up (kernels, allocator)
-        decoder.generate(prompt, method=method, budget=budget or 32, max_new_tokens=min(8, n_new))
-    results = {}
-    for method, budget in runs:
-        rec = decoder.generate(prompt, method=method, budget=budget or 32, max_new_tokens=n_new)
-        results[(method, budget)] = rec
-        a = aggregate([rec])
-        label = method if budget is None else f"{method} {budget}"
-        print(f"  {label:<10} {rec.decode_tok_s:8.1f} tok/s   mean acceptance length {a['mean_acceptance_length']:.2f}"
-              f"   {len(rec.rounds)} rounds", flush=True)
-    ref = results[("ar", None)].token_ids
-    bad = []
-    for (method, budget), rec in results.items():
-        if rec.token_ids != ref:
-            first = next((i for i, (x, y) in enumerate(zip(rec.token_ids, ref)) if x != y), min(len(ref), len(rec.token_ids)))
-            bad.append(f"{method}{'' if budget is None else ' ' + str(budget)} (first difference at token {first})")
-    if len(ref) != n_new:
-        bad.append(f"ar produced {len(ref)} tokens instead of {n_new}")
-    if bad:
-        print(f"selftest FAILED: greedy outputs differ from ar's: {'; '.join(bad)}", file=sys.stderr, flush=True)
-        raise typer.Exit(1)
-    print(f"selftest passed: every greedy output equals ar's ({time.perf_counter() - t0:.1f} s)", flush=True)
-
+_command("generate", lambda opts, given, prompt: run_generate(opts, given, prompt),
+         "Generate text for PROMPT (or each prompt of --prompts); only the generated text goes to stdout, streamed.")
+_command("bench", run_bench_command,
+         "Benchmark ar / dflash / ddtree (per budget) on a prompt set: a table on stdout, a ddtree.stats/1 JSON file.")
+_command("plot", lambda opts, given, results: run_plot(opts, given, results),
+         "Speedup and acceptance vs budget, acceptance-length histograms and stage times as PNG files.")
+_command("selftest", run_selftest_command,
+         "Decode a random prompt on a tiny random Qwen3.6-style hybrid pair with ar, dflash and ddtree (budgets 4 and "
+         "32) and check every greedy output equals ar's. No download.")
 
 # ============================================================================================
 
@@ -548,7 +573,7 @@ def _version(value: bool):
 def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ):
-    """Exact DDTree speculative decoding: ddtree generate | bench | plan | plot | selftest."""
+    """Exact DDTree speculative decoding: ddtree generate | bench | plot | selftest."""
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -414,7 +414,7 @@ def _verify_nodes(budget: Any, drafter: DrafterConfig | None) -> int:
     if drafter is None:
         return 1
     if str(budget).strip().lower() == "auto":
-        from ddtree.decode.decoder import AUTO_BUDGETS
+        from ddtree.decode.budget import AUTO_BUDGETS
 
         return max(AUTO_BUDGETS) + 1
     return int(budget) + 1

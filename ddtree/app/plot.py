@@ -2,10 +2,12 @@
 
 :func:`plot_results` writes three PNGs:
 
-* ``speedup_vs_budget.png``: decode-throughput speedup over ``ar`` against the DDTree budget, the
-  DFlash chain as a horizontal line, and mean acceptance length on a second axis;
-* ``acceptance_hist.png``: the distribution of per-round acceptance lengths, one panel per
-  speculative run;
+* ``speedup_vs_budget.png``: two panels over the DDTree budget: decode-throughput speedup over
+  ``ar`` (the DFlash chain and ``--budget auto`` as horizontal lines) above; tokens per target
+  forward (all rounds, the headline) and the mean acceptance length over the drafted rounds
+  below. Without fixed-budget runs (a ``generate --stats-json`` file) one bar per run instead;
+* ``acceptance_hist.png``: the distribution of tokens committed per round, one panel per
+  speculative run, plain steps (``--budget auto``'s rounds without a draft) stacked apart;
 * ``stage_times.png``: stacked bars of the draft / tree / verify / commit time, per round and per
   generated token, for every run.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.errors import DDTreeError
-from ddtree.stats import STAGES, read_json, validate_document
+from ddtree.stats import STAGES, is_auto, plain_steps, read_json, tokens_per_forward, validate_document
 
 _STYLE = {
     "font.size": 11,
@@ -68,7 +70,7 @@ def _import_matplotlib():
 
 
 def _label(run: dict) -> str:
-    if run["method"] == "ddtree" and run.get("budget_setting") == "auto":
+    if is_auto(run):
         return "ddtree auto"
     if run["method"] == "ddtree" and run.get("budget") is not None:
         return f"ddtree {run['budget']}"
@@ -79,7 +81,7 @@ def _label(run: dict) -> str:
 
 def _order(run: dict) -> tuple:
     rank = {"ar": 0, "dflash": 1, "ddtree": 2}.get(run["method"], 3)
-    return (rank, run["method"], run.get("budget") or 0)
+    return (rank, run["method"], is_auto(run), run.get("budget") or 0)
 
 
 def _ar_rate(runs: list[dict]) -> float | None:
@@ -129,95 +131,136 @@ def _new_figure(Figure, FigureCanvasAgg, size):
 # --------------------------------------------------------------------------------------------
 
 
-def _plot_speedup(doc: dict, Figure, Canvas, path: Path) -> None:
+def _value_axis(ax, values: list[float], have_speedup: bool, bars: bool) -> None:
+    """Speedup: the axis includes 1x (autoregressive); bars and throughput start at 0."""
+    lo = min(values + ([1.0] if have_speedup else [0.0]))
+    hi = max(values + ([1.0] if have_speedup else [0.0]))
+    pad = max(hi - lo, 0.1 * hi, 0.05) * 0.15
+    ax.set_ylim(0.0 if bars or not have_speedup else max(0.0, lo - pad), hi + 2.2 * pad)
+
+
+def _plot_speedup(doc: dict, Figure, Canvas, path: Path):
+    """Two panels over one x axis: speedup (or decode tok/s without an ar run) above, tokens per
+    target forward and the drafted-round acceptance length below; nothing drawn over anything."""
     runs = sorted(doc["runs"], key=_order)
     ar_rate = _ar_rate(runs)
-    trees = [r for r in runs if r["method"] == "ddtree" and r.get("budget") is not None]
-    trees.sort(key=lambda r: r["budget"])
-    chain = next((r for r in runs if r["method"] == "dflash"), None)
-
-    have_speedup = ar_rate is not None or all(
-        r.get("speedup_vs_ar") is not None for r in trees + ([chain] if chain else [])
-    )
+    trees = sorted((r for r in runs if r["method"] == "ddtree" and not is_auto(r)), key=lambda r: r["budget"])
+    others = [r for r in runs if r["method"] == "dflash" or is_auto(r)]
+    have_speedup = ar_rate is not None or (bool(trees + others) and all(
+        r.get("speedup_vs_ar") is not None for r in trees + others))
 
     def value(r):
         return _speedup(r, ar_rate) if have_speedup else r["aggregate"]["decode_tok_s"]
 
-    fig = _new_figure(Figure, Canvas, (9, 5.4))
-    ax = fig.add_subplot()
-    ax2 = ax.twinx()
-    ax2.spines["right"].set_visible(True)
-    ax2.grid(False)
-    handles = []
-
+    fig = _new_figure(Figure, Canvas, (9, 7.6))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    ylabel = "decode speedup over autoregressive" if have_speedup else "decode tokens / s"
+    fmt = "{:.2f}×" if have_speedup else "{:.0f}"
     if trees:
-        xs = [r["budget"] for r in trees]
-        ys = [value(r) for r in trees]
-        (h,) = ax.plot(xs, ys, "-o", color=_C_DDTREE, lw=2.4, ms=7, zorder=3,
-                       label="DDTree speedup" if have_speedup else "DDTree decode tok/s")
-        handles.append(h)
-        fmt = "{:.2f}×" if have_speedup else "{:.1f}"
-        for x, y in zip(xs, ys):
-            ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, 9),
-                        ha="center", fontsize=9.5, color=_C_DDTREE, fontweight="bold")
-        acc = [r["aggregate"]["mean_acceptance_length"] for r in trees]
-        (h2,) = ax2.plot(xs, acc, "--s", color=_C_ACC, lw=1.8, ms=6, alpha=0.9,
-                         label="DDTree acceptance length")
-        handles.append(h2)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([str(x) for x in xs])
-        ax.minorticks_off()
-        pad = 2 ** 0.35
-        ax.set_xlim(min(xs) / pad, max(xs) * pad)
+        _speedup_lines(top, bottom, trees, others, value, fmt, have_speedup)
+        bottom.set_xlabel("tree budget (draft nodes verified per round)")
+        title = ("speedup" if have_speedup else "decode throughput") + " and acceptance vs. tree budget"
     else:
-        ax.set_xticks([])
-        ax.text(0.5, 0.5, "no ddtree runs in this file", transform=ax.transAxes, ha="center",
-                va="center", color=_C_AR, fontsize=12)
-
-    auto = next((r for r in runs if r["method"] == "ddtree" and r.get("budget_setting") == "auto"), None)
-    if auto is not None and value(auto) is not None:
-        v = value(auto)
-        txt = f"DDTree --budget auto ({v:.2f}×" if have_speedup else f"DDTree --budget auto ({v:.1f} tok/s"
-        h = ax.axhline(v, color=_C_DDTREE, ls="-.", lw=1.6, alpha=0.8,
-                       label=txt + f", acceptance length {auto['aggregate']['mean_acceptance_length']:.2f})", zorder=2)
-        handles.append(h)
-    if chain is not None and value(chain) is not None:
-        v = value(chain)
-        txt = f"DFlash chain ({v:.2f}×)" if have_speedup else f"DFlash chain ({v:.1f} tok/s)"
-        a = chain["aggregate"]["mean_acceptance_length"]
-        txt = txt[:-1] + f", acceptance length {a:.2f})"
-        h = ax.axhline(v, color=_C_DFLASH, ls="--", lw=2, label=txt, zorder=2)
-        handles.append(h)
-    if have_speedup:
-        h = ax.axhline(1.0, color=_C_AR, ls=":", lw=1.5, label="autoregressive (1×)", zorder=1)
-        handles.append(h)
-
-    ax.set_xlabel("tree budget (draft nodes verified per round)")
-    ax.set_ylabel("decode speedup over autoregressive" if have_speedup else "decode tokens / s")
-    ax2.set_ylabel("mean acceptance length (tokens / round)", color=_C_ACC)
-    ax2.tick_params(axis="y", colors=_C_ACC)
-
-    # leave headroom for the value labels and the legend
-    lo, hi = ax.get_ylim()
-    lo = min(lo, 0.9) if have_speedup else 0.0
-    ax.set_ylim(max(0.0, lo), hi + (hi - lo) * 0.12)
-    alo, ahi = ax2.get_ylim()
-    ax2.set_ylim(min(1.0, alo), ahi + (ahi - alo) * 0.12)
-
-    if not trees and chain is None:
-        ax2.set_visible(False)
-    ax.set_title("DDTree: " + ("speedup" if have_speedup else "decode throughput") + " vs. tree budget",
-                 loc="left")
+        _speedup_bars(top, bottom, [r for r in runs if r["method"] != "ar" or not have_speedup], value, fmt, have_speedup)
+        title = ("speedup" if have_speedup else "decode throughput") + " and acceptance per run"
+    top.set_ylabel(ylabel)
+    bottom.set_ylabel("tokens / target forward")
+    top.set_title("DDTree: " + title, loc="left")
     sub = _subtitle(doc)
     if sub:
         fig.suptitle(sub, fontsize=10, fontweight="normal", color="#444444", x=0.99, ha="right")
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.savefig(path)
+    return fig
 
 
-def _plot_acceptance(doc: dict, Figure, Canvas, path: Path, mpl) -> None:
-    runs = [r for r in sorted(doc["runs"], key=_order) if r["aggregate"]["num_drafts"] > 0]
+def _speedup_lines(top, bottom, trees, others, value, fmt, have_speedup) -> None:
+    xs = [r["budget"] for r in trees]
+    ys = [value(r) for r in trees]
+    top.plot(xs, ys, "-o", color=_C_DDTREE, lw=2.4, ms=7, zorder=3,
+             label="DDTree, fixed budget" + ("" if have_speedup else " (decode tok/s)"))
+    for x, y in zip(xs, ys):
+        top.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, 9), ha="center", fontsize=9.5,
+                     color=_C_DDTREE, fontweight="bold")
+    flat = list(ys)
+    for r in others:
+        v = value(r)
+        if v is None:
+            continue
+        auto = is_auto(r)
+        color, ls = (_C_DDTREE, "-.") if auto else (_C_DFLASH, "--")
+        top.axhline(v, color=color, ls=ls, lw=1.8, alpha=0.85, zorder=2,
+                    label=f"{'DDTree --budget auto' if auto else 'DFlash chain'} ({fmt.format(v)})")
+        flat.append(v)
+    if have_speedup:
+        top.axhline(1.0, color=_C_AR, ls=":", lw=1.5, zorder=1, label="autoregressive (1×)")
+    _value_axis(top, flat, have_speedup, bars=False)
+    top.legend(loc="upper left", ncol=2, fontsize=9)
+
+    tpf = [tokens_per_forward(r["aggregate"]) for r in trees]
+    acc = [r["aggregate"]["mean_acceptance_length"] for r in trees]
+    bottom.plot(xs, tpf, "-o", color=_C_ACC, lw=2.2, ms=6, zorder=3, label="DDTree tokens per target forward (all rounds)")
+    bottom.plot(xs, acc, "--s", color=_C_ACC, lw=1.3, ms=5, alpha=0.6, zorder=2,
+                label="DDTree mean acceptance length (drafted rounds)")
+    for x, y in zip(xs, tpf):  # below the point, boxed: horizontal lines may pass there
+        bottom.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, -16), ha="center", fontsize=9,
+                        color=_C_ACC, fontweight="bold", zorder=5,
+                        bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
+    level = list(tpf) + list(acc)
+    for r in others:
+        t = tokens_per_forward(r["aggregate"])
+        auto = is_auto(r)
+        bottom.axhline(t, color=_C_DDTREE if auto else _C_DFLASH, ls="-." if auto else "--", lw=1.5, alpha=0.85,
+                       label=f"{'DDTree auto' if auto else 'DFlash chain'} tokens per target forward ({t:.2f})")
+        level.append(t)
+    bottom.set_ylim(0, max(level + [1.0]) * 1.35)
+    bottom.legend(loc="upper left", ncol=2, fontsize=8.5)
+    bottom.set_xscale("log", base=2)
+    bottom.set_xticks(xs)
+    bottom.set_xticklabels([str(x) for x in xs])
+    bottom.minorticks_off()
+    pad = 2 ** 0.4
+    bottom.set_xlim(min(xs) / pad, max(xs) * pad)
+
+
+def _speedup_bars(top, bottom, runs, value, fmt, have_speedup) -> None:
+    """No fixed-budget ddtree run (a generate document, or only dflash / auto): one bar per run."""
+    if not runs:
+        top.text(0.5, 0.5, "no speculative runs in this file", transform=top.transAxes, ha="center", va="center",
+                 color=_C_AR, fontsize=12)
+        top.set_xticks([])
+        bottom.set_visible(False)
+        return
+    xs = list(range(len(runs)))
+    colors = [_C_DFLASH if r["method"] == "dflash" else _C_AR if r["method"] == "ar" else _C_DDTREE for r in runs]
+    vals = [value(r) or 0.0 for r in runs]
+    top.bar(xs, vals, width=0.55, color=colors, zorder=3)
+    for x, v in zip(xs, vals):
+        top.annotate(fmt.format(v), (x, v), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=10,
+                     fontweight="bold")
+    if have_speedup:
+        top.axhline(1.0, color=_C_AR, ls=":", lw=1.5, zorder=4, label="autoregressive (1×)")
+        top.legend(loc="upper left", fontsize=9)
+    _value_axis(top, vals, have_speedup, bars=True)
+    w = 0.3
+    tpf = [tokens_per_forward(r["aggregate"]) or 0.0 for r in runs]
+    acc = [r["aggregate"]["mean_acceptance_length"] for r in runs]
+    bottom.bar([x - w / 2 for x in xs], tpf, width=w, color=_C_ACC, zorder=3, label="tokens per target forward (all rounds)")
+    bottom.bar([x + w / 2 for x in xs], acc, width=w, color=_C_ACC, alpha=0.45, zorder=3,
+               label="mean acceptance length (drafted rounds)")
+    for x, t, a in zip(xs, tpf, acc):
+        bottom.annotate(f"{t:.2f}", (x - w / 2, t), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=9)
+        bottom.annotate(f"{a:.2f}", (x + w / 2, a), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=9)
+    bottom.set_ylim(0, max(tpf + acc + [1.0]) * 1.4)
+    bottom.legend(loc="upper left", ncol=2, fontsize=9)
+    bottom.set_xticks(xs)
+    bottom.set_xticklabels([_label(r) for r in runs])
+    bottom.set_xlim(-0.6, len(runs) - 0.4)
+    for ax in (top, bottom):
+        ax.grid(axis="x", visible=False)
+
+
+def _plot_acceptance(doc: dict, Figure, Canvas, path: Path, mpl):
+    runs = [r for r in sorted(doc["runs"], key=_order) if r["method"] != "ar" and r["aggregate"]["rounds"] > 0]
     if not runs:
         fig = _new_figure(Figure, Canvas, (7, 3.5))
         ax = fig.add_subplot()
@@ -225,53 +268,71 @@ def _plot_acceptance(doc: dict, Figure, Canvas, path: Path, mpl) -> None:
         ax.text(0.5, 0.5, "no speculative (dflash / ddtree) runs in this file",
                 ha="center", va="center", fontsize=12, color=_C_AR)
         fig.savefig(path)
-        return
+        return fig
 
     n = len(runs)
     ncols = min(4, n)
     nrows = math.ceil(n / ncols)
-    fig = _new_figure(Figure, Canvas, (3.3 * ncols + 0.6, 2.7 * nrows + 1.0))
+    fig = _new_figure(Figure, Canvas, (max(7.0, 3.4 * ncols + 0.8), 2.9 * nrows + 1.5))
     axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
     max_len = max(
         max((int(k) for k in r["aggregate"]["acceptance_length_histogram"]), default=1) for r in runs
     )
     trees = [r for r in runs if r["method"] == "ddtree"]
     cmap = mpl.colormaps["viridis"]
+    any_plain = False
 
     for i, run in enumerate(runs):
         ax = axes[i // ncols][i % ncols]
         agg = run["aggregate"]
         hist = {int(k): v for k, v in agg["acceptance_length_histogram"].items()}
-        total = sum(hist.values()) or 1
+        plain = plain_steps(agg) or 0
+        total = (sum(hist.values()) + plain) or 1
         xs = list(range(1, max_len + 1))
         ys = [100.0 * hist.get(x, 0) / total for x in xs]
         if run["method"] == "ddtree":
             j = trees.index(run)
             color = cmap(0.15 + 0.7 * (j / max(1, len(trees) - 1)))
-        elif run["method"] == "dflash":
-            color = _C_DFLASH
         else:
-            color = _C_AR
+            color = _C_DFLASH
         ax.bar(xs, ys, width=0.8, color=color, alpha=0.9)
-        mean = agg["mean_acceptance_length"]
-        ax.axvline(mean, color="#222222", ls="--", lw=1.3)
-        ax.set_title(_label(run), fontsize=12, loc="left")
-        ax.text(0.97, 0.93, f"mean {mean:.2f}\n{agg['num_drafts']} rounds", transform=ax.transAxes,
-                ha="right", va="top", fontsize=9.5,
-                bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="#cccccc", alpha=0.9))
+        if plain:  # a plain step commits one token: stacked on length 1, apart in grey
+            any_plain = True
+            ax.bar([1], [100.0 * plain / total], bottom=[ys[0]], width=0.8, color="#bbbbbb", hatch="//",
+                   edgecolor="white", label="plain step (no draft)")
+        tpf = tokens_per_forward(agg)
+        ax.axvline(tpf, color="#222222", ls="-", lw=1.3)
+        ax.axvline(agg["mean_acceptance_length"], color="#222222", ls="--", lw=1.0, alpha=0.7)
+        ax.set_title(_label(run), fontsize=12, loc="left", pad=27)
+        facts = (f"{tpf:.2f} tokens / forward, {agg['rounds']} rounds" + (f" ({plain} plain)" if plain else "")
+                 + f"\naccept len {agg['mean_acceptance_length']:.2f} over {agg['num_drafts']} drafted rounds")
+        ax.text(0.0, 1.02, facts, transform=ax.transAxes, ha="left", va="bottom", fontsize=8.5, color="#444444",
+                linespacing=1.3)
         ax.grid(axis="x", visible=False)
+        ax.tick_params(labelbottom=True)
     for j in range(n, nrows * ncols):
         axes[j // ncols][j % ncols].axis("off")
     step = 1 if max_len <= 10 else 2 if max_len <= 20 else 4
     axes[0][0].set_xticks(list(range(1, max_len + 1, step)))
     axes[0][0].set_xlim(0.4, max_len + 0.6)
-    fig.suptitle("Acceptance length per round (tokens committed, bonus token included)")
-    fig.supxlabel("acceptance length")
+    top = max(max(p.get_y() + p.get_height() for p in ax.patches) for row in axes for ax in row if ax.patches)
+    axes[0][0].set_ylim(0, min(100.0, top * 1.1))
+    fig.suptitle("Tokens committed per round (bonus token included)")
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color="#222222", ls="-", lw=1.3, label="tokens per target forward (all rounds)"),
+               Line2D([], [], color="#222222", ls="--", lw=1.0, label="mean acceptance length (drafted rounds)")]
+    if any_plain:
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(facecolor="#bbbbbb", hatch="//", edgecolor="white", label="plain step (no draft)"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles) if ncols > 2 else 1, fontsize=9)
     fig.supylabel("% of rounds")
     fig.savefig(path)
+    return fig
 
 
-def _plot_stages(doc: dict, Figure, Canvas, path: Path) -> None:
+def _plot_stages(doc: dict, Figure, Canvas, path: Path):
     runs = sorted(doc["runs"], key=_order)
     stages = list(STAGES)
     for r in runs:
@@ -329,20 +390,28 @@ def _plot_stages(doc: dict, Figure, Canvas, path: Path) -> None:
     if sub:
         fig.supxlabel(sub, fontsize=10, color="#444444")
     fig.savefig(path)
+    return fig
 
 
-def plot_results(doc_or_path: dict | str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
-    """Write the three figures for a result document (or the path of one) into ``out_dir``."""
-    mpl, Figure, Canvas = _import_matplotlib()
+def checked_document(doc_or_path: dict | str | os.PathLike, source: str | None = None) -> dict:
+    """A result document (or the path of one, .json or .json.gz), validated, with runs."""
     doc: Any = doc_or_path if isinstance(doc_or_path, dict) else read_json(doc_or_path)
+    source = source or (None if isinstance(doc_or_path, dict) else str(doc_or_path))
     try:
         validate_document(doc)
     except ValueError as e:
-        where = "" if isinstance(doc_or_path, dict) else f" '{doc_or_path}'"
+        where = f" '{source}'" if source else ""
         raise DDTreeError(f"results file{where} is not a ddtree bench document ({e}): re-run ddtree bench") from None
     if not doc["runs"]:
         raise DDTreeError("results document has no runs: run ddtree bench with at least one method")
+    return doc
 
+
+def plot_results(doc_or_path: dict | str | os.PathLike, out_dir: str | os.PathLike, source: str | None = None) -> list[Path]:
+    """Write the three figures for a result document (or the path of one, .json or .json.gz)
+    into ``out_dir``; ``source`` names the file a passed document came from (messages)."""
+    mpl, Figure, Canvas = _import_matplotlib()
+    doc = checked_document(doc_or_path, source)
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,12 @@ class Prompt:
     id: str
     text: str | None = None
     messages: list[dict] | None = None
+    from_cli: bool = False  # the PROMPT argument (or stdin), not an entry of a prompt set
+
+    @property
+    def label(self) -> str:
+        """How messages name it: its id is internal when it came from the command line."""
+        return "the prompt" if self.from_cli else f"prompt {self.id!r}"
 
 
 def _known() -> str:

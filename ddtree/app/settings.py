@@ -2,7 +2,10 @@
 
 A settings file may group keys in any tables (``[model]``, ``[decoding]``, ...) or none; the
 tables are flattened, so only the key names matter and each may appear once. Keys are the CLI
-option names (``max_new_tokens`` or ``max-new-tokens``)::
+option names (``max_new_tokens`` or ``max-new-tokens``), every option of every command but
+``--config`` (``ddtree.app.options``); ``device`` is another name for ``devices``. A command takes
+the keys it has and leaves the others to the commands they belong to (``methods`` is bench's,
+``method`` generate's), so one file can serve both::
 
     [model]
     target = "Qwen/Qwen3.6-27B"
@@ -32,28 +35,10 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 from ddtree.errors import DDTreeError
 
-# key -> accepted Python types (as tomllib produces them)
-KNOWN_KEYS: dict[str, tuple[type, ...]] = {
-    "target": (str,),
-    "drafter": (str,),
-    "devices": (str, list),
-    "dtype": (str,),
-    "method": (str,),
-    "budget": (int, str),
-    "max_new_tokens": (int,),
-    "temperature": (float, int),
-    "top_p": (float, int),
-    "top_k": (int,),
-    "seed": (int,),
-    "prompts": (str,),
-    "methods": (str, list),
-    "budgets": (str, list, int),
-    "max_length": (int,),
-    "raw": (bool,),
-    "thinking": (bool,),
-    "out": (str,),
-    "tp": (int,),
-}
+from ddtree.app.options import ALIASES, BY_NAME, toml_keys
+
+#: key -> accepted Python types (as tomllib produces them): every option of every command but --config
+KNOWN_KEYS: dict[str, tuple[type, ...]] = toml_keys()
 
 #: keys whose relative paths are resolved (see module docstring)
 PATH_KEYS: tuple[str, ...] = ("target", "drafter", "prompts")
@@ -74,6 +59,7 @@ def _flatten(table: dict, prefix: str, out: dict[str, tuple[Any, str]], path: Pa
             raise DDTreeError(
                 f"config file '{path}' has unknown key '{where}': use only {', '.join(KNOWN_KEYS)}"
             )
+        key = ALIASES.get(key, key)
         if key in out:
             raise DDTreeError(
                 f"config file '{path}' sets '{key}' twice ('{out[key][1]}' and '{where}'): keep one of them"
@@ -133,8 +119,14 @@ def load_settings(path: str | os.PathLike) -> dict:
             value = str(value)
         if key == "budget" and isinstance(value, str) and value != "auto" and not value.strip().isdigit():
             raise DDTreeError(f"config file '{path}' key '{where}' is {value!r}: make it an integer or \"auto\"")
-        if key in ("temperature", "top_p"):
+        opt = BY_NAME[key]
+        if opt.type is float:
             value = float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if opt.min is not None and value < opt.min:
+                raise DDTreeError(f"config file '{path}' key '{where}' is {value!r}: make it at least {opt.min:g}")
+            if opt.max is not None and value > opt.max:
+                raise DDTreeError(f"config file '{path}' key '{where}' is {value!r}: make it at most {opt.max:g}")
         if key in PATH_KEYS:
             value = _resolve_path(value, p)
         out[key] = value

@@ -34,7 +34,7 @@ from ddtree.ops.walk import walk, walk_kernel
 from ddtree.options import Options
 from ddtree.stats import GenerationRecord, RoundRecord
 
-METHODS = ("ar", "dflash", "ddtree")
+from ddtree.decode.methods import METHODS  # defined without torch: the CLI checks --method before importing it
 
 
 @dataclass(frozen=True)

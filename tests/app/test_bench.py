@@ -7,7 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import FIXTURE_DIR, have_fixture, FIXTURE_REASON
-from ddtree.app.bench import format_table, parse_budgets, parse_methods
+from ddtree.app.bench import format_table
+from ddtree.app.setup import parse_budgets, parse_methods
 from ddtree.app.cli import app
 from ddtree.errors import DDTreeError
 from ddtree.stats import aggregate, generation_from_dict, read_json, validate_document
@@ -107,7 +108,7 @@ def test_bench_counters_agree_with_decoder(bench_run, one_thread):
     """The decoder run directly on prompt dev-001 (ddtree, budget 8) gives the rounds the JSON holds."""
     import torch
 
-    from ddtree.app.bench import encode_prompt, inspect_models, load_models
+    from ddtree.app.setup import encode_prompt, inspect_models, load_models
     from ddtree.app.prompts import load_prompts
 
     _, out = bench_run
@@ -242,3 +243,51 @@ def test_warmup_prefills_every_prompt_length_for_every_method(monkeypatch, tmp_p
     assert [m for m, _, _ in timed] == ["ar"] * 3 + ["dflash"] * 3 and all(n == n_new for *_, n in timed)
     for m in ("ar", "dflash"):
         assert {L for mm, L, n in warm if mm == m and n == 1} == lengths
+
+
+# ------------------------------------------------------------------------------------------ --tp
+
+from app_helpers import tiny_pair_fixture  # noqa: E402
+
+tiny_pair = tiny_pair_fixture()
+
+
+def test_bench_tp2_matches_one_process(tiny_pair, tmp_path, one_thread):
+    """bench --tp 2 (gloo on CPU): warm-up and timed generations in one set of tensor-parallel
+    workers; same greedy tokens and rounds as the one-process bench, every run exact."""
+    tdir, ddir = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "tensor"}\n{"id": "b", "prompt": "parallel bench"}\n')
+    common = ["--target", str(tdir), "--drafter", str(ddir), "--prompts", str(prompts), "--methods", "ar,ddtree",
+              "--budgets", "4", "--max-new-tokens", "8", "--devices", "cpu", "--dtype", "float32"]
+    docs = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.json"
+        r = CliRunner().invoke(app, ["bench", *common, "--tp", str(tp), "--warmup", "1", "--out", str(out)])
+        assert r.exit_code == 0, (r.stderr, r.exception)
+        docs[tp] = read_json(out)
+        validate_document(docs[tp])
+    assert docs[2]["metadata"]["tp"] == 2 and "tensor parallel" in r.stderr
+    for one, two in zip(docs[1]["runs"], docs[2]["runs"]):
+        assert (one["method"], one["budget"]) == (two["method"], two["budget"])
+        for p1, p2 in zip(one["prompts"], two["prompts"]):
+            assert p1["token_ids"] == p2["token_ids"] and p1["rounds"]["accepted"] == p2["rounds"]["accepted"]
+            assert p2["decode_s"] > 0 and p2["ttft_s"] > 0  # rank 0's timings came back
+    assert docs[2]["runs"][1]["exact_match_vs_ar"] is True
+
+
+def test_table_headline_is_tokens_per_forward():
+    """--budget auto's plain steps count in tok/fwd; accept len covers the drafted rounds."""
+    from ddtree.stats import GenerationRecord, RoundRecord, make_run_document, run_metadata
+
+    t = {"verify": 1.0}
+    rounds = [RoundRecord(8, 3, 2, [0, 0], 3, t), RoundRecord(0, 0, 0, [], 1, t), RoundRecord(0, 0, 0, [], 1, t),
+              RoundRecord(4, 2, 1, [0], 2, t)]
+    rec = GenerationRecord("a", 5, 8, list(range(8)), "", 0.1, 1.0, 0.1, "ddtree", None, rounds)
+    doc = make_run_document(run_metadata(), [{"method": "ddtree", "budget": None, "budget_setting": "auto",
+                                              "records": [rec], "speedup_vs_ar": 1.3}])
+    head, _, row, note = format_table(doc).splitlines()
+    cells = row.split()
+    assert head.split("  ")[5] == "tok/fwd" and "accept len (drafted)" in head
+    assert cells[:2] == ["ddtree", "auto"] and cells[5] == "1.75" and cells[6] == "2.50"  # 7/4 and 1 + 3/2
+    assert note == "ddtree auto chose 0 (50%), 4 (25%), 8 (25%)"

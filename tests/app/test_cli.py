@@ -51,7 +51,7 @@ def fixture_args(method: str, n: int = 16) -> list[str]:
 
 
 def test_selftest_subprocess():
-    r = run_ddtree("selftest", "--max-new-tokens", "24", "--device", "cpu", timeout=240)
+    r = run_ddtree("selftest", "--max-new-tokens", "24", "--devices", "cpu", timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "selftest passed" in r.stdout
     for label in ("ar", "dflash", "ddtree 4", "ddtree 32"):
@@ -244,7 +244,7 @@ def test_out_of_memory_is_one_line(monkeypatch):
     """CUDA OOM anywhere in a command: one line naming the stage and the fixes, exit 2."""
     import torch
 
-    import ddtree.app.bench
+    import ddtree.app.setup
 
     skip_without_fixture()
 
@@ -252,8 +252,263 @@ def test_out_of_memory_is_one_line(monkeypatch):
         stage("loading the target")
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(ddtree.app.bench, "load_models", oom)
+    monkeypatch.setattr(ddtree.app.setup, "load_models", oom)
     r = invoke("generate", *fixture_args("ar", 4), PROMPT)
     assert r.exit_code == 2
     assert_one_line_error(r.stderr, r.stdout)
     assert "out of GPU memory while loading the target" in r.stderr and "--devices cuda:0,cuda:1" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ one line, every time
+
+from app_helpers import tiny_pair_fixture  # noqa: E402
+
+tiny_pair = tiny_pair_fixture()
+
+
+def tiny_args(tiny_pair, method: str = "ar", n: int = 6) -> list:
+    tdir, ddir = tiny_pair
+    args = ["--target", tdir, "--devices", "cpu", "--method", method, "--max-new-tokens", str(n)]
+    return args + (["--drafter", ddir] if method != "ar" else [])
+
+
+def test_click_parse_errors_are_one_line(tmp_path):
+    """What click itself rejects reads like every other bad input: one line naming the flag."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = {
+        ("generate", "--max-new-tokens", "abc", "hi"): "--max-new-tokens",
+        ("generate", "--stats-json", tmp_path, "hi"): "--stats-json",
+        ("generate", "--top-p", "2", "hi"): "--top-p",
+        ("generate", "--frobnicate", "hi"): "--frobnicate",
+        ("frobnicate",): "frobnicate",
+        ("plot",): "RESULTS",
+        ("plot", afile, "--out", afile): "--out",
+        ("bench", "--warmup", "-1"): "--warmup",
+        ("selftest", "--devices", "nonsense"): "--devices",
+        ("selftest", "--device", "nonsense"): "--devices",  # the alias: the message names the flag the help shows
+    }
+    for args, flag in cases.items():
+        r = invoke(*args)
+        assert r.exit_code == 2, (args, r.stderr)
+        assert_one_line_error(r.stderr, r.stdout)
+        assert flag in r.stderr, (args, r.stderr)
+        assert "Usage:" not in r.stderr and "╭" not in r.stderr
+
+
+BAD_FAST = [  # (args, in the message): each wrong before any model is needed
+    (["generate", "--method", "beam", "hi"], "--method"),
+    (["generate", "--budget", "lots", "hi"], "--budget"),
+    (["generate", "--temperature", "-1", "hi"], "--temperature"),
+    (["generate", "--dtype", "int3", "hi"], "--dtype"),
+    (["generate", "--devices", "gpu:0", "hi"], "--devices"),
+    (["generate", "--target", "/no/such/model", "hi"], "not found"),
+    (["generate", "--config", "/no/such.toml", "hi"], "config file"),
+    (["bench", "--methods", "ar,medusa"], "--methods"),
+    (["plot", "/no/such/results.json"], "not found"),
+    (["selftest", "--devices", "tpu"], "--devices"),
+]
+
+
+def test_bad_arguments_cost_no_torch_import(tiny_pair, tmp_path):
+    """Arguments and paths are checked before torch or transformers is imported: in a fresh
+    process every bad input below ends in one line, exit 2, with neither imported."""
+    tdir, ddir = tiny_pair
+    cases = [a for a, _ in BAD_FAST] + [
+        ["generate", "--target", ddir, "hi"],  # a DFlash drafter as the target
+        ["generate", "--target", tdir, "--stats-json", tmp_path, "hi"],  # a directory
+        ["bench", "--target", tdir, "--drafter", ddir, "--prompts", "poetry"],
+        ["bench", "--target", tdir, "--drafter", ddir, "--out", tmp_path],
+    ]
+    script = (
+        "import json, sys\nfrom typer.main import get_command\nfrom ddtree.app.cli import app\n"
+        "cmd = get_command(app)\nout = []\n"
+        "for args in json.loads(sys.argv[1]):\n"
+        "    try:\n        cmd.main(args, prog_name='ddtree')\n    except SystemExit as e:\n        out.append(e.code)\n"
+        "print(json.dumps({'codes': out, 'heavy': sorted(m for m in ('torch', 'transformers') if m in sys.modules)}))\n"
+    )
+    import json
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    r = subprocess.run([sys.executable, "-c", script, json.dumps([[str(a) for a in c] for c in cases])],
+                       capture_output=True, text=True, cwd=str(REPO), env=cli_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["codes"] == [2] * len(cases), r.stderr
+    assert res["heavy"] == [], "imported before the argument check: " + ", ".join(res["heavy"])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == len(cases) and all(ln.startswith("error: ") for ln in lines), r.stderr
+    for (args, needle), line in zip(BAD_FAST, lines):
+        assert needle in line, (args, line)
+    assert "is a DFlash drafter: pass it as --drafter" in lines[len(BAD_FAST)]
+    assert "--stats-json" in lines[len(BAD_FAST) + 1] and "--out" in lines[-1]
+
+
+def test_bad_argument_process_is_fast():
+    """A mistake costs well under a second, process start included (it used to take ~4 s)."""
+    import time
+
+    t0 = time.monotonic()
+    r = run_ddtree("generate", "--method", "beam", "--target", "/no/such/model", "hi")
+    wall = time.monotonic() - t0
+    assert r.returncode == 2
+    assert_one_line_error(r.stderr, r.stdout)
+    assert wall < 1.5, f"{wall:.2f} s"
+
+
+def test_output_paths_checked_before_loading(tiny_pair, tmp_path):
+    """--stats-json / --out that cannot be written fail before any model loads, naming the flag;
+    a missing folder is created, and said so."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = invoke("generate", *tiny_args(tiny_pair), "--stats-json", afile / "s.json", "hi")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, r.stdout)
+    assert "--stats-json" in r.stderr and "--out" not in r.stderr
+    r = invoke("bench", *tiny_args(tiny_pair)[:4], "--methods", "ar", "--prompts", "code", "--out", afile / "r.json")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, r.stdout)
+    assert "--out" in r.stderr
+    stats = tmp_path / "new" / "sub" / "s.json"
+    r = invoke("generate", *tiny_args(tiny_pair), "--stats-json", stats, "hi")
+    assert r.exit_code == 0, r.stderr
+    assert f"created folder {stats.parent} for --stats-json" in r.stderr
+    validate_document(read_json(stats))
+
+
+def test_target_checks_name_the_problem(tiny_pair, tmp_path):
+    """A DFlash drafter as --target, a target folder without tokenizer files, an empty tokenizer:
+    one line each; no internal prompt id in any message."""
+    import shutil
+
+    tdir, ddir = tiny_pair
+    r = invoke("generate", "--target", ddir, "hi")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, r.stdout)
+    assert f"--target {ddir} is a DFlash drafter: pass it as --drafter" in r.stderr
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in tdir.iterdir():
+        if not f.name.startswith("tokenizer"):
+            shutil.copy(f, bare / f.name)
+    r = invoke("generate", "--target", bare, "--devices", "cpu", "hi")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, r.stdout)
+    assert "has no tokenizer files" in r.stderr and "encodes to no tokens" not in r.stderr
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE()).save(str(bare / "tokenizer.json"))  # a vocabulary of nothing
+    r = invoke("generate", "--target", bare, "--devices", "cpu", "hi")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, r.stdout)
+    assert "tokenizer" in r.stderr and "is empty" in r.stderr
+    assert "'cli'" not in r.stderr and "'stdin'" not in r.stderr
+
+
+def test_prompt_messages_name_no_internal_id():
+    from types import SimpleNamespace
+
+    from ddtree.app.prompts import Prompt
+    from ddtree.app.setup import encode_prompt
+    from ddtree.errors import DDTreeError
+
+    spec = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None, encode=lambda text, add_special_tokens: []))
+    with pytest.raises(DDTreeError) as e:
+        encode_prompt(spec, Prompt(id="cli", text="x", from_cli=True), raw=True, thinking=False)
+    assert str(e.value).startswith("the prompt encodes to no tokens") and "cli" not in str(e.value)
+    with pytest.raises(DDTreeError, match="prompt 'p7' encodes to no tokens"):
+        encode_prompt(spec, Prompt(id="p7", text="x"), raw=True, thinking=False)
+
+
+def test_stdin_loses_one_trailing_newline(tiny_pair, tmp_path):
+    """`echo x | ddtree generate -` sees the prompt `ddtree generate x` sees; the summary says
+    how long the prompt was, and 1 round is "1 round"."""
+    docs = {}
+    for name, args, stdin in (("arg", ["hello world"], None), ("stdin", ["-"], "hello world\n"),
+                              ("crlf", ["-"], "hello world\r\n"), ("two", ["-"], "hello world\n\n")):
+        stats = tmp_path / f"{name}.json"
+        r = invoke("generate", *tiny_args(tiny_pair, n=2), "--stats-json", stats, *args, input=stdin)
+        assert r.exit_code == 0, r.stderr
+        docs[name] = read_json(stats)["runs"][0]["prompts"][0]
+        assert f"2 new tokens from a {docs[name]['prompt_tokens']}-token prompt" in r.stderr
+        assert "over 1 round" in r.stderr and "1 rounds" not in r.stderr
+    assert docs["arg"]["prompt_tokens"] == docs["stdin"]["prompt_tokens"] == docs["crlf"]["prompt_tokens"] == 11
+    assert docs["two"]["prompt_tokens"] == 12  # exactly one newline is dropped
+    assert docs["arg"]["token_ids"] == docs["stdin"]["token_ids"]
+
+
+def test_generate_jsonl_one_object_per_prompt(tiny_pair, tmp_path):
+    import json
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "first"}\n{"id": "b", "prompt": "second one"}\n')
+    stats = tmp_path / "s.json"
+    r = invoke("generate", *tiny_args(tiny_pair, "dflash", 5), "--prompts", prompts, "--jsonl", "--stats-json", stats)
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2
+    objs = [json.loads(line) for line in lines]
+    doc = read_json(stats)["runs"][0]["prompts"]
+    assert [o["id"] for o in objs] == ["a", "b"]
+    for o, p in zip(objs, doc):
+        assert o["text"] == p["text"] and o["new_tokens"] == p["new_tokens"] == 5 and o["interrupted"] is False
+        assert o["prompt_tokens"] == p["prompt_tokens"] and o["method"] == "dflash"
+        assert o["tokens_per_target_forward"] == pytest.approx(p["tokens_per_target_forward"])
+    # without --jsonl: the texts one after another, each ending with a newline, and a hint
+    r = invoke("generate", *tiny_args(tiny_pair, "dflash", 5), "--prompts", prompts)
+    assert r.stdout == "".join(p["text"] + "\n" for p in doc)
+    assert "--jsonl prints one JSON object per prompt" in r.stderr
+
+
+def test_ignored_options_warn_once_and_bad_input_stays_one_line(tiny_pair, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "first"}\n')
+    r = invoke("generate", *tiny_args(tiny_pair), "--budget", "8", "--thinking", "--top-k", "4", "--prompts", prompts,
+               "hello")
+    assert r.exit_code == 0, r.stderr
+    warnings = [ln for ln in r.stderr.splitlines() if " W " in ln]
+    assert any("--budget is ignored" in w and "the method is ar" in w for w in warnings)
+    assert any("--thinking is ignored" in w and "no chat template" in w for w in warnings)
+    assert any("--top-k is ignored" in w for w in warnings)
+    assert any("--prompts is ignored" in w and "PROMPT" in w for w in warnings)
+    assert len(warnings) == len(set(warnings)) == 4
+    r = invoke("bench", *tiny_args(tiny_pair, n=2)[:4], "--methods", "ar", "--budgets", "4", "--prompts", prompts,
+               "--warmup", "0", "--out", tmp_path / "b.json")
+    assert r.exit_code == 0, r.stderr
+    assert "--budgets is ignored: --methods has no ddtree" in r.stderr
+    # a flag that would only warn, next to bad input: still exactly the one error line
+    r = invoke("generate", *tiny_args(tiny_pair), "--budget", "8", "--max-length", "4", "hello")
+    assert r.exit_code == 2
+    assert_one_line_error(r.stderr, r.stdout)
+
+
+def test_verbose_logs_what_a_run_took(tiny_pair):
+    r = invoke("generate", *tiny_args(tiny_pair, "ddtree", 4), "--budget", "4", "-v", "hello")
+    assert r.exit_code == 0, r.stderr
+    for needle in ("placement: target layers 0-3 on cpu", "dtype float32; state length", "paths: cuda_graphs False",
+                   "rounds_ahead", "kernels", "tokenizer ", "the prompt: 5 tokens"):
+        assert needle in r.stderr, needle
+    quiet = invoke("generate", *tiny_args(tiny_pair, "ddtree", 4), "--budget", "4", "hello")
+    assert "placement:" not in quiet.stderr and " D " not in quiet.stderr
+    assert quiet.stdout == r.stdout
+
+
+def test_generate_budget_auto_stats_plot(tiny_pair, tmp_path):
+    """generate --budget auto --stats-json: budget null, budget_setting auto; ddtree plot reads it."""
+    pytest.importorskip("matplotlib")
+    stats = tmp_path / "auto.json.gz"
+    r = invoke("generate", *tiny_args(tiny_pair, "ddtree", 12), "--budget", "auto", "--stats-json", stats, "hello")
+    assert r.exit_code == 0, r.stderr
+    doc = read_json(stats)
+    validate_document(doc)
+    (run,) = doc["runs"]
+    assert run["budget"] is None and run["budget_setting"] == "auto" and doc["metadata"]["budget"] == "auto"
+    a = run["aggregate"]
+    assert a["num_plain_steps"] + a["num_drafts"] == a["rounds"]
+    assert f"{a['tokens_per_target_forward']:.2f} tokens per target forward over" in r.stderr
+    r = invoke("plot", stats)
+    assert r.exit_code == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 3 and str(tmp_path / "auto-plots") in r.stdout

@@ -1,0 +1,180 @@
+"""Every command-line option, defined once: flags, type, default, help, the commands that take it.
+
+The typer commands (``ddtree.app.cli``), the TOML settings keys (``ddtree.app.settings``), the
+defaults applied after merging, and the README's options table (``markdown_table``; a test
+compares it with README.md) are all built from :data:`OPTIONS`. Nothing here imports torch: the
+command line parses and validates its arguments before any heavy import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+COMMANDS: tuple[str, ...] = ("generate", "bench", "plot", "selftest")
+GEN, BENCH, PLOT, SELFTEST = COMMANDS
+MODEL = (GEN, BENCH)  # the commands that load a checkpoint pair
+
+
+@dataclass(frozen=True)
+class Opt:
+    name: str  # Python name and TOML key (a TOML file may also spell it with dashes)
+    flags: tuple[str, ...]  # first = the name shown; an argument has its metavar here
+    type: type  # str, int, float, bool or Path
+    commands: tuple[str, ...]
+    help: str | dict[str, str]  # one text, or per command
+    default: Any = None  # the value after merging when nobody set it; a dict: per command
+    default_doc: str | dict[str, str] | None = None  # how --help and the README state a computed default
+    metavar: str | None = None
+    min: float | None = None
+    max: float | None = None
+    negative: str | None = None  # a bool's off switch, e.g. --no-raw
+    toml_types: tuple[type, ...] = ()  # TOML value types accepted besides the option's own
+    file_commands: tuple[str, ...] | None = None  # commands that take the value from a --config file (default: all)
+    argument: bool = False  # positional (PROMPT, RESULTS): not a TOML key
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0]
+
+    def default_for(self, command: str) -> Any:
+        return self.default.get(command) if isinstance(self.default, dict) else self.default
+
+    def help_for(self, command: str) -> str:
+        return self.help[command] if isinstance(self.help, dict) else self.help
+
+    def default_text(self, command: str | None = None) -> str | None:
+        """The default as --help and the README say it (None: no default worth stating)."""
+        doc = self.default_doc
+        if command and isinstance(self.default, dict) and not isinstance(doc, dict):  # --help: this command's
+            value = self.default.get(command)
+            return None if value is None else _show(value, self)
+        if isinstance(doc, dict):
+            return doc.get(command) if command else "; ".join(f"{c}: {d}" for c, d in doc.items())
+        if doc is not None:
+            return doc
+        if command is None and isinstance(self.default, dict):
+            return "; ".join(f"{c}: {_show(d)}" for c, d in self.default.items() if d is not None) or None
+        value = self.default_for(command) if command else self.default
+        return None if value is None else _show(value, self)
+
+    def file_applies(self, command: str) -> bool:
+        return not self.argument and command in (self.file_commands or self.commands)
+
+
+def _show(value: Any, opt: Opt | None = None) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+OPTIONS: tuple[Opt, ...] = (
+    Opt("prompt", ("PROMPT",), str, (GEN,), "Prompt text; - reads it from stdin (one trailing newline is dropped)",
+        argument=True),
+    Opt("results", ("RESULTS",), Path, (PLOT,), "Result JSON written by ddtree bench or generate --stats-json (.json or .json.gz)",
+        argument=True),
+    Opt("target", ("--target", "-t"), str, MODEL, "Target model: local directory or Hugging Face repo id (Qwen/Qwen3.6-27B)",
+        metavar="REF"),
+    Opt("drafter", ("--drafter", "-d"), str, MODEL,
+        "DFlash drafter: local directory or Hugging Face repo id (z-lab/Qwen3.6-27B-DFlash)", metavar="REF"),
+    Opt("method", ("--method", "-m"), str, (GEN,), "ar, dflash (DFlash chain) or ddtree (draft tree)",
+        default_doc="ddtree with a drafter, else ar", metavar="M"),
+    Opt("budget", ("--budget", "-b"), str, (GEN,),
+        "Draft-tree nodes verified per round (ddtree only), or auto: every round picks the budget (4, 8, 15, 32 or 64, "
+        "or 0: a plain target step) with the most expected tokens per millisecond (drafter path probabilities times the "
+        "acceptance seen so far, over verify costs timed once on this machine per context bucket)",
+        default=32, metavar="N|auto", toml_types=(int,)),
+    Opt("methods", ("--methods",), str, (BENCH,), "Methods to compare, comma-separated (ar is added and runs first)",
+        default="ar,dflash,ddtree", metavar="LIST", toml_types=(list,)),
+    Opt("budgets", ("--budgets",), str, (BENCH,), "One ddtree run per budget, comma-separated; auto is a budget too (e.g. 8,16,auto)",
+        default="8,16,32,64", metavar="LIST", toml_types=(int, list)),
+    Opt("prompts", ("--prompts", "-p"), str, MODEL,
+        "Prompt set: a JSONL file (one object per line with \"prompt\" or chat \"messages\", optional \"id\"), a built-in "
+        "suite (code, math, chat) or hf:DATASET[:SPLIT[:FIELD]] (needs the datasets package); generate takes it "
+        "instead of PROMPT", default={GEN: None, BENCH: "code"}, default_doc={BENCH: "code"}, metavar="SPEC"),
+    Opt("limit", ("--limit",), int, MODEL, "Only the first N prompts of --prompts", default_doc="all", metavar="N", min=1),
+    Opt("max_new_tokens", ("--max-new-tokens", "-n"), int, (GEN, BENCH, SELFTEST), "Tokens to generate per prompt",
+        default={GEN: 256, BENCH: 256, SELFTEST: 48}, default_doc="256 (selftest: 48)", metavar="N", min=1),
+    Opt("temperature", ("--temperature",), float, MODEL, "Sampling temperature; 0 = greedy", default=0.0, metavar="T", min=0),
+    Opt("top_p", ("--top-p",), float, MODEL, "Nucleus sampling mass, in (0, 1]", default=1.0, metavar="P", min=0, max=1),
+    Opt("top_k", ("--top-k",), int, MODEL, "Top-k sampling; 0 = off", default=0, metavar="K", min=0),
+    Opt("seed", ("--seed",), int, MODEL, "Sampling seed", default=0, metavar="S"),
+    Opt("dtype", ("--dtype",), str, MODEL, "bfloat16, float16 or float32", default_doc="bfloat16 on cuda, float32 on cpu",
+        metavar="D"),
+    Opt("devices", ("--devices", "--device"), str, (GEN, BENCH, SELFTEST),
+        "auto, cpu, cuda:0, or cuda:0,cuda:1 (target layers split over the GPUs by weight bytes; selftest takes one)",
+        default="auto", default_doc="auto (cuda:0 if available, else cpu)", metavar="LIST", toml_types=(list,)),
+    Opt("max_length", ("--max-length",), int, MODEL, "Length of the state buffers (K/V cache) in tokens",
+        default_doc="longest prompt + new tokens + tree + 256", metavar="L", min=1),
+    Opt("raw", ("--raw",), bool, MODEL, "Send the prompt as is, without the tokenizer's chat template", default=False,
+        default_doc="--no-raw", negative="--no-raw"),
+    Opt("thinking", ("--thinking",), bool, MODEL, "enable_thinking in the chat template", default=True,
+        default_doc="--thinking", negative="--no-thinking"),
+    Opt("top1_first", ("--top1-first",), bool, MODEL, "Put the drafter's top-1 chain in the tree first, then grow best-first",
+        default=False, negative="--no-top1-first"),
+    Opt("tp", ("--tp",), int, MODEL, "Tensor parallelism: shard the target over N ranks (NCCL on GPUs, gloo on CPU)",
+        default=1, metavar="N", min=1),
+    Opt("stats_json", ("--stats-json",), Path, (GEN,),
+        "Write the per-round statistics of the run (ddtree.stats/1 JSON; gzipped when PATH ends in .gz)", metavar="PATH"),
+    Opt("jsonl", ("--jsonl",), bool, (GEN,),
+        "Print one JSON object per prompt (id, text and the summary numbers) instead of streaming the text",
+        default=False, negative="--no-jsonl"),
+    Opt("warmup", ("--warmup",), int, (BENCH,),
+        "Uncounted warm-up generations per run (each generates the shortest and the longest prompt in full, so every "
+        "graph is captured before timing)", default=1, metavar="N", min=0),
+    Opt("out", ("--out", "-o"), Path, (BENCH, PLOT),
+        {BENCH: "Result JSON (ddtree.stats/1; gzipped when PATH ends in .gz)",
+         PLOT: "Folder for the PNGs (a --config file's out is bench's result file, not this folder)"},
+        default={BENCH: "results/bench.json", PLOT: None}, default_doc={BENCH: "results/bench.json", PLOT: "RESULTS-plots/"},
+        metavar="PATH", file_commands=(BENCH,)),
+    Opt("config", ("--config", "-c"), Path, COMMANDS, "TOML settings file (keys: these option names); flags override it",
+        metavar="FILE"),
+    Opt("verbose", ("--verbose", "-v"), bool, COMMANDS,
+        "Debug logs on stderr: placement, dtype, kernels and paths, state length", default=False, negative="--no-verbose"),
+)
+
+BY_NAME: dict[str, Opt] = {o.name: o for o in OPTIONS}
+#: TOML key aliases (a flag's other spelling) -> option name
+ALIASES: dict[str, str] = {"device": "devices"}
+
+
+def options_for(command: str) -> list[Opt]:
+    return [o for o in OPTIONS if command in o.commands]
+
+
+def defaults(command: str) -> dict[str, Any]:
+    return {o.name: o.default_for(command) for o in options_for(command) if not o.argument and o.name != "config"}
+
+
+def toml_keys() -> dict[str, tuple[type, ...]]:
+    """Settings-file key -> accepted TOML value types: every option but --config and the arguments."""
+    own = {str: (str,), Path: (str,), int: (int,), float: (float, int), bool: (bool,)}
+    keys = {o.name: own[o.type] + o.toml_types for o in OPTIONS if not o.argument and o.name != "config"}
+    keys.update({alias: keys[name] for alias, name in ALIASES.items()})
+    return keys
+
+
+def flag_text(o: Opt) -> str:
+    """`--budget N|auto`, `--raw` / `--no-raw`, `PROMPT`."""
+    if o.argument:
+        return f"`{o.flag}`"
+    if o.negative:
+        return f"`{o.flag}` / `{o.negative}`"
+    return f"`{o.flag} {o.metavar}`" if o.metavar else f"`{o.flag}`"
+
+
+def markdown_table() -> str:
+    """The README's options table (tests/app/test_options.py checks README.md holds exactly this)."""
+    rows = ["| option | commands | default | meaning |", "|---|---|---|---|"]
+    for o in OPTIONS:
+        commands = "all" if o.commands == COMMANDS else ", ".join(o.commands)
+        default = o.default_text() or ""
+        meaning = "; ".join(f"{c}: {h}" for c, h in o.help.items()) if isinstance(o.help, dict) else o.help
+        if len(o.flags) > 1 and o.flags[1].startswith("--"):
+            meaning += f" (also `{o.flags[1]}`)"
+        cells = [flag_text(o), commands, default, meaning]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)

@@ -1,0 +1,96 @@
+"""A tiny random target + DFlash drafter written as released checkpoints, with a byte-level
+tokenizer built by the tokenizers library: the CLI end to end in well under a second per
+prompt, without the codepair fixture. No stop token (generations always run to the end)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from conftest import REPO, cli_env
+
+VOCAB = 258  # 256 bytes + two special tokens, neither an end-of-text (even: --tp 2 splits it)
+
+
+def write_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<|s0|>": 0, "<|s1|>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|s0|>", "<|s1|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"backend": "tokenizers", "tokenizer_class": "TokenizersBackend"}))
+
+
+def write_tiny_pair(root: Path) -> tuple[Path, Path]:
+    """-> (target dir, drafter dir) under root (written once per root)."""
+    from ddtree.model.checkpoint import save_checkpoint
+    from ddtree.model.synthetic import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
+
+    tdir, ddir = root / "target", root / "drafter"
+    if (ddir / "config.json").is_file():
+        return tdir, ddir
+    raw = tiny_hybrid_config(vocab=VOCAB)
+    raw["text_config"].pop("eos_token_id")  # no stop token: every generation runs to --max-new-tokens
+    target = build_random_target(raw, seed=3, max_len=64)
+    draft_raw = tiny_drafter_config(raw)
+    drafter = build_random_drafter(draft_raw, target, seed=4, max_len=64)
+    save_checkpoint(target.state_dict(), raw, tdir)
+    write_tokenizer(tdir)
+    save_checkpoint(drafter.state_dict(), draft_raw, ddir, layout="drafter")
+    return tdir, ddir
+
+
+def interrupt_when(args: list[str], ready, timeout: float = 120):
+    """Run `python -m ddtree ARGS`, send SIGINT once ready(stderr so far) is true; returns
+    (returncode, stdout, stderr). stderr is read as it comes (progress bars end lines with \\r)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddtree", *map(str, args)], cwd=str(REPO), env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = bytearray()
+    out = bytearray()
+    done = threading.Event()
+
+    def pump(stream, buf):
+        while chunk := os.read(stream.fileno(), 4096):
+            buf.extend(chunk)
+        if buf is err:
+            done.set()
+
+    threads = [threading.Thread(target=pump, args=(proc.stderr, err), daemon=True),
+               threading.Thread(target=pump, args=(proc.stdout, out), daemon=True)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    sent = False
+    while proc.poll() is None and time.monotonic() - t0 < timeout:
+        if not sent and ready(err.decode(errors="replace")):
+            proc.send_signal(signal.SIGINT)
+            sent = True
+        time.sleep(0.01)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for t in threads:
+        t.join(5)
+    assert sent, f"never became ready to interrupt:\n{err.decode(errors='replace')}"
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def tiny_pair_fixture():
+    """A pytest fixture (import it into a test module): the tiny pair, written once per test run."""
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def tiny_pair(tmp_path_factory):
+        return write_tiny_pair(tmp_path_factory.getbasetemp() / "tiny_pair")
+
+    return tiny_pair
