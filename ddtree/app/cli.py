@@ -293,7 +293,7 @@ def run_generate(opts: dict, prompt: Optional[str], limit: Optional[int] = None,
         for rec in records:
             print(_summary(rec, budget), file=sys.stderr, flush=True)
     else:
-        loaded = load_models(spec, max_len, method != "ar", _set_stage, room=room)
+        loaded = load_models(spec, max_len, method != "ar", _set_stage, room=room, auto=method == "ddtree" and budget == "auto")
         decode_text = decode_text_fn(spec.tokenizer)
         for i, (p, ids) in enumerate(encoded):
             if len(encoded) > 1:
@@ -418,7 +418,7 @@ def plan(
     max_length: Optional[int] = typer.Option(None, "--max-length", help="State length to plan for (default: the model's max_position_embeddings)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16)."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Draft-tree nodes per round, or auto (default: 32)."),
-    attention: str = typer.Option("auto", "--attention", help="SDPA path of the masked attention: math (torch's fallback: A6000, A100), fused (cuDNN: H100/H200), auto (ask the visible GPUs; math with --gpu-memory)."),
+    attention: str = typer.Option("auto", "--attention", help="SDPA path of the verify's and draft's masked attention: math (torch's fallback: A6000, A100), fused (cuDNN: H100/H200), auto (ask the visible GPUs; math with --gpu-memory). The prefill takes flash attention either way."),
     config: Optional[Path] = _opt_config(),
     verbose: bool = _opt_verbose(),
 ):
