@@ -245,7 +245,8 @@ class _Bench:
     def run_local(self, max_len: int, need_drafter: bool, warmup: int, room: int | None = None) -> None:
         from tqdm import tqdm
 
-        loaded = load_models(self.spec, max_len, need_drafter, self.stage, room=room)
+        loaded = load_models(self.spec, max_len, need_drafter, self.stage, room=room,
+                             auto=any(b == "auto" for _, b in self.plan))
         S.flush_notices()  # after the last thing that can fail on bad input
         self.dec = loaded.decoder
         self.paths = S.decoder_paths(self.dec)

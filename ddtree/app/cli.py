@@ -431,7 +431,8 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
             S.flush_notices()
             _generate_tp(S, spec, dict(opts, max_new_tokens=max_new), method, budget, encoded, max_len, start, done)
         else:
-            loaded = S.load_models(spec, max_len, method != "ar", _set_stage, room=room)
+            loaded = S.load_models(spec, max_len, method != "ar", _set_stage, room=room,
+                                   auto=method == "ddtree" and budget == "auto")
             S.flush_notices()  # after the last thing that can fail on bad input
             paths = S.decoder_paths(loaded.decoder)
             sp = S.sampling_params(opts)

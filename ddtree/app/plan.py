@@ -85,7 +85,8 @@ def plan_memory(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, dev
     repeat) at max_len. capacities: bytes per GPU, as a dict keyed 'cuda:N' or a list in the
     order the GPUs first appear in `devices` (one value: every GPU). capacity_kind 'total' reserves
     the CUDA context on each GPU; 'free' (torch.cuda.mem_get_info after the context exists) does
-    not. Other Workload fields (tree_capacity, graphs, ...) pass through `workload`."""
+    not. attention: the SDPA path of the verify's and draft's masked attention. Other Workload
+    fields (fla, deferred, tree_capacity, prefill_chunk, graphs, ...) pass through `workload`."""
     devices = list(devices)
     gpus = list(dict.fromkeys(gpu_of(x) for x in devices))
     caps = _capacity_map(capacities, gpus)
@@ -170,16 +171,16 @@ ROW_LABELS = {
     "GDN tree scratch": "GDN tree-verify scratch",
     "rope tables": "rope tables",
     "drafter K/V + rope": "drafter K/V cache + rope",
+    "deferred context": "deferred drafter context (auto)",
     "activations": "~ activations (peak phase)",
     "graph pools": "~ CUDA-graph pools",
     "workspace": "~ workspace + reserve",
 }
 
 
-PHASES = {"prefill": "prefill chunk", "concat": "prompt taps", "context": "drafter context", "verify": "verify",
-          "draft": "draft"}
+PHASES = {"prefill": "prefill chunk", "context": "drafter context", "verify": "verify", "draft": "draft"}
 ATTENTION_NOTES = {
-    "math": "torch's math SDPA (fp32 K/V for every query head; A6000, A100, any GPU without cuDNN attention)",
+    "math": "torch's math SDPA (fp32 K/V for every query head: A6000, A100, any GPU without cuDNN attention)",
     "fused": "a fused SDPA kernel (cuDNN attention: H100, H200)",
 }
 
@@ -200,9 +201,12 @@ def format_plan(plan: MemoryPlan) -> str:
     head = [f"memory plan: {plan.name} ({t.num_layers} layers: {kinds})"
             + (f" + {d.num_layers}-layer DFlash drafter" if d else "")
             + f", {str(wl.dtype).replace('torch.', '')}, --max-length {wl.max_len}",
-            f"attention: {ATTENTION_NOTES[wl.attention]}; "
-            + ("CUDA graphs (one GPU)" if graphs_on(wl, split.devices) else "no CUDA graphs (a layer split)")
-            + f"; verify of {wl.verify_nodes} nodes, prefill chunks of {min(wl.prefill_chunk, wl.tree_capacity)}",
+            f"verify / draft attention: {ATTENTION_NOTES[wl.attention]}; verify of {min(wl.verify_nodes, wl.tree_capacity)} "
+            "nodes; " + ("CUDA graphs (one GPU)" if graphs_on(wl, split.devices) else "no CUDA graphs (a layer split)"),
+            f"prefill: chunks of {split.prefill_chunk} tokens"
+            + ("" if wl.prefill_chunk is not None else f" (the engine's pick from {gpu_of(split.devices[0])}'s free memory)")
+            + ", flash attention, GDN chain through " + ("fla's chunk kernel" if wl.fla else "the torch chunked recurrence")
+            + (", the drafter's context added per chunk" if d else ""),
             "rows are exact but for ~ (estimates)"]
     table: list[list[str]] = [[""] + gpus, ["layers"] + [_ranges(split, g) for g in gpus]]
     if d is not None:
@@ -348,9 +352,10 @@ def read_configs(target: str | None, drafter: str | None) -> tuple[TargetConfig,
 
 
 def attention_path(devices, target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, dtype: Any) -> str:
-    """The SDPA path the masked attentions of these models take on these CUDA devices: 'math' if
-    torch picks its math fallback for either the target's or the drafter's head shapes on any
-    of them, else 'fused'. Asked of torch (its backend choice) with tiny tensors on each GPU."""
+    """The SDPA path the masked attentions of these models take on these CUDA devices (a verify's,
+    Attention.forward with the dense [T, kv_len] mask, and a draft's, DraftAttention.forward):
+    'math' if torch picks its math fallback for either the target's or the drafter's head shapes
+    on any of them, else 'fused'. Asked of torch (its backend choice) with tiny tensors on each GPU."""
     import torch
 
     from ddtree.model.checkpoint import parse_dtype
@@ -384,17 +389,32 @@ def gpu_capacities(devices: Sequence[str], kind: str) -> dict[str, int]:
     return out
 
 
+def fla_in_use(devices, options=None) -> bool:
+    """Whether the prefill's GDN chain may take fla's chunk kernel on these devices: the options
+    allow it (Kernels.fla through ddtree.ops.dispatch.resolve) and fla imports here (its
+    per-dtype self-check runs at the first prefill; a failing check only lowers the real peak)."""
+    from ddtree.ops import fla
+    from ddtree.ops.dispatch import resolve
+    from ddtree.options import Options
+
+    options = options or Options.from_env()
+    return all(resolve(options, str(x)).fla for x in devices) and fla._kernel() is not None
+
+
 def plan_for_devices(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, devices: Sequence[Any],
-                     max_len: int, dtype: Any, room: int | None = None, name: str = "target") -> Split | None:
+                     max_len: int, dtype: Any, room: int | None = None, name: str = "target",
+                     auto: bool = False) -> Split | None:
     """The check before loading: plan against the free memory of the real CUDA devices and raise
     the one-line error if it does not fit; -> the split to load with (None on CPU: no check).
-    room: nodes of the largest tree a round verifies (default: the most a forward may hold)."""
+    room: nodes of the largest tree a round verifies (default: the most a forward may hold);
+    auto: --budget auto runs (its deferred drafter context)."""
     if any(str(x).startswith("cpu") for x in devices):
         return None
     caps = gpu_capacities([str(x) for x in devices], "free")
     path = attention_path(devices, target_cfg, drafter_cfg, dtype)
     plan = plan_memory(target_cfg, drafter_cfg, list(devices), caps, max_len, dtype, attention=path,
-                       verify_nodes=room or Workload.tree_capacity, capacity_kind="free", name=name, search=False)
+                       verify_nodes=room or Workload.tree_capacity, capacity_kind="free", name=name, search=False,
+                       fla=fla_in_use(devices), deferred=auto and drafter_cfg is not None)
     if not plan.fits:
         plan.largest = largest_max_len(target_cfg, drafter_cfg, list(devices), plan.split.workload, plan.capacities)
         check_fits(plan)
@@ -456,7 +476,7 @@ def run_plan(opts: dict, gpu_memory: str | None = None, attention: str = "auto",
         caps, kind = _capacity_map(sizes, list(dict.fromkeys(devices))), "total"
         path = "math" if attention == "auto" else attention
     plan = plan_memory(t, d, devices, caps, max_len, dtype, attention=path, verify_nodes=_verify_nodes(budget, d),
-                       capacity_kind=kind, name=str(opts.get("target")))
+                       capacity_kind=kind, name=str(opts.get("target")), deferred=budget == "auto" and d is not None)
     print(format_plan(plan), flush=True)
     check_fits(plan)
     return plan

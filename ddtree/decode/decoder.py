@@ -342,7 +342,8 @@ class Decoder:
         sync(dev)
         t0 = time.perf_counter()
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-        logits, _ = tgt.prefill(prompt, on_taps=self.drafter.add_context if taps_on else None)
+        # no taps for `ar` (a drafter may be loaded for other methods): kept, they would be the whole prompt's
+        logits, _ = tgt.prefill(prompt, want_taps=taps_on, on_taps=self.drafter.add_context if taps_on else None)
         bonus_d = choose(logits[None], job.sampling, gen)[0]
         draft = None
         if taps_on:

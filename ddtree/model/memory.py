@@ -7,13 +7,16 @@ Three kinds of figures, kept apart because they are not equally certain:
   compare them byte for byte with the tensors a built model holds (tests/model/test_memory.py).
 * READ per decode step: what one target forward of a token (and one drafter round) streams from
   memory, for balancing a layer split.
-* ESTIMATED transients: the peaks of one forward beyond the state (attention workspace, prefill
-  taps, logits, activations), each formula derived from the code path it models and said so.
+* ESTIMATED transients: the peaks of one piece of a generation beyond the state (a prefill chunk
+  through a layer, the drafter's context of a chunk, a verify, a draft), each formula derived from
+  the code path it models and said so; the prefill ones per token of a chunk, checked against the
+  live bytes of those paths in tests/model/test_memory.py and on a GPU by
+  scripts/check_memory_plan.py.
 
 Notation in the formulas: H hidden, I intermediate, V vocab, nh/kvh/hd attention heads, KV heads
 and head dim, hk/hv/dk/dv GDN key/value heads and dims, C = 2 hk dk + hv dv the GDN conv
-channels, w the conv width, dt the bytes of the load dtype, S a context length, T the nodes of one
-forward.
+channels, w the conv width, dt the bytes of the load dtype, S a context length, T the nodes (or
+tokens) of one forward, B the drafter's block.
 """
 
 from __future__ import annotations
@@ -120,8 +123,14 @@ def head_prepared_bytes(cfg: TargetConfig) -> int:
 
 
 # ============================================================================================
-# state buffers (exact: TargetModel.allocate_state, GDNGroup, DFlashDrafter.allocate_state)
+# state buffers (exact: TargetModel.allocate_state, GDNGroup, DFlashDrafter.allocate_state,
+# ddtree.decode.round.DeferredContext)
 # ============================================================================================
+
+#: ddtree.model.drafter.DEFERRED_ROWS (= ddtree.decode.budget.PLAIN_PROBE_MAX): the context rows
+#: --budget auto's plain steps may defer (mirrored here so that no torch import is needed; a test
+#: keeps them equal)
+DEFERRED_ROWS = 64
 
 
 def kv_cache_bytes(cfg: TargetConfig, n_attn: int, max_len: int, dtype) -> int:
@@ -131,16 +140,16 @@ def kv_cache_bytes(cfg: TargetConfig, n_attn: int, max_len: int, dtype) -> int:
 
 def gdn_group_bytes(cfg: TargetConfig, n_gdn: int, dtype, tree_capacity: int) -> dict[str, int]:
     """A device's GDNGroup over n = n_gdn layers, cap = tree_capacity nodes:
-    conv [n, w-1, C] dtype; recurrent state and a prefill chunk's final states, each fp32
-    [n, hv, dk, dv]; tree-verify scratch: k [n, hv, cap, dk], U [n, hv, cap, dv], c [n, hv, cap]
-    fp32 and the conv inputs ext [n, w-1+cap, C] dtype."""
+    conv [n, w-1, C] dtype; recurrent state fp32 [n, hv, dk, dv]; tree-verify scratch (a verify's,
+    not touched by the prefill): k [n, hv, cap, dk], U [n, hv, cap, dv], c [n, hv, cap] fp32 and
+    the conv inputs ext [n, w-1+cap, C] dtype."""
     if n_gdn == 0:
         return {"conv": 0, "recurrent": 0, "scratch": 0}
     dt, hv, dk, dv, hist, C = (dtype_bytes(dtype), cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim,
                                cfg.conv_kernel - 1, cfg.gdn_conv_dim)
     return {
         "conv": n_gdn * hist * C * dt,
-        "recurrent": 2 * n_gdn * hv * dk * dv * F32,
+        "recurrent": n_gdn * hv * dk * dv * F32,
         "scratch": n_gdn * (hv * tree_capacity * (dk + dv + 1) * F32 + (hist + tree_capacity) * C * dt),
     }
 
@@ -150,12 +159,24 @@ def target_rope_bytes(cfg: TargetConfig, max_len: int) -> int:
     return 2 * max_len * cfg.rotary_dim * F32
 
 
+def drafter_cache_rows(d: DrafterConfig, max_len: int) -> int:
+    """DFlashDrafter.cache_rows: max_len + DEFERRED_ROWS + B (a block's own rows, or a deferred
+    context flush plus a block, are written past the context)."""
+    return max_len + DEFERRED_ROWS + d.block_size
+
+
 def drafter_state_bytes(d: DrafterConfig, max_len: int, dtype) -> dict[str, int]:
-    """Context K and V per layer [max_len + B, kvh, hd] in the load dtype (the block is written past
-    the context); cos / sin fp32 [max_len + B, hd]; ctx_len, one long."""
-    rows = max_len + d.block_size
+    """Context K and V per layer [cache_rows, kvh, hd] in the load dtype; cos / sin fp32
+    [cache_rows, hd]; ctx_len, one long."""
+    rows = drafter_cache_rows(d, max_len)
     return {"kv": 2 * d.num_layers * rows * d.num_kv_heads * d.head_dim * dtype_bytes(dtype),
             "rope": 2 * rows * d.head_dim * F32 + LONG}
+
+
+def deferred_context_bytes(cfg: TargetConfig, d: DrafterConfig, dtype) -> int:
+    """ddtree.decode.round.DeferredContext (made on the drafter's device when --budget auto runs):
+    rows [DEFERRED_ROWS, taps H] in the target's dtype, count (one long), index [DEFERRED_ROWS] long."""
+    return DEFERRED_ROWS * len(d.target_layer_ids) * cfg.hidden_size * dtype_bytes(dtype) + LONG + DEFERRED_ROWS * LONG
 
 
 # ============================================================================================
@@ -185,13 +206,163 @@ def drafter_read_bytes(d: DrafterConfig, context: int, dtype) -> int:
 
 
 # ============================================================================================
-# transients (estimates: peaks of one forward beyond the state; each says what it is based on)
+# transients (estimates: peaks of one piece of a generation beyond the state; each names the code
+# it models). Eager code is modelled: compiled layers and CUDA graphs fuse, so they hold less.
 # ============================================================================================
 
-#: SDPA backends a masked grouped-query attention can take. With a boolean mask and kv heads <
-#: query heads, torch's flash kernel is ruled out (no mask) and its memory-efficient kernel too (no
-#: GQA): it falls to `math` unless cuDNN attention is preferred (sm90 / sm100 with cuDNN > 9.15),
-#: which is `fused` here. RTX A6000 (sm86) and A100 (sm80) take `math`.
+#: TargetModel.prefill_chunk's bounds and step (tokens of one prefill forward)
+PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX, PREFILL_CHUNK_STEP = 256, 8192, 256
+#: tokens per chunk of the GDN chain recurrence: gdn.chain_chunked's default and fla's chunk size
+GDN_CHAIN_CHUNK = 64
+
+
+def prefill_chunk_tokens(cfg: TargetConfig, free_bytes: int | None) -> int:
+    """The chunk TargetModel.prefill_chunk picks on a GPU with free_bytes free on the first layer's
+    device (None: not known here; the largest chunk, which bounds the others)."""
+    if free_bytes is None:
+        return PREFILL_CHUNK_MAX
+    per_token = 4 * (3 * cfg.intermediate_size + 3 * max(cfg.gdn_conv_dim, 1) + 4 * cfg.hidden_size
+                     + 3 * cfg.num_heads * cfg.head_dim)
+    n = max(PREFILL_CHUNK_MIN, min(PREFILL_CHUNK_MAX, free_bytes // 4 // per_token))
+    return int(n // PREFILL_CHUNK_STEP * PREFILL_CHUNK_STEP)
+
+
+def norm_peak_bytes(rows: int, dim: int, dtype, fp32_weight: bool) -> int:
+    """Peak bytes inside RMSNorm.forward over [rows, dim], its output included, as torch's
+    composite rms_norm allocates them (the fused CUDA kernel allocates less): the fp32 input copy
+    (none for an fp32 input), its square (then the normalised product), the per-row mean and
+    rsqrt, and for x * (1 + w) norms the fp32 weight product beside them; the plain norm casts
+    first and scales in the input dtype."""
+    copy = F32 if dtype_bytes(dtype) < F32 else 0
+    return rows * (dim * (copy + 2 * F32 if fp32_weight else 2 * F32) + 2 * F32)
+
+
+def gated_norm_peak_bytes(n: int, dtype) -> int:
+    """GatedRMSNorm.forward (the GDN output norm) over n elements, output included: the normed
+    rows, w * them, z in fp32, silu(z) and their fp32 product (the rms_norm's own copies before)."""
+    return n * (dtype_bytes(dtype) + 3 * F32)
+
+
+def rope_peak_bytes(n_rows: int, heads: int, head_dim: int, rotary_dim: int, dtype) -> int:
+    """layers.apply_rope over [n_rows, heads, head_dim], output included: x[:rd] * cos, rotate_half
+    (the negated half, its cat), * sin, their sum, then the cat with the pass-through dims."""
+    return n_rows * heads * dtype_bytes(dtype) * max(3 * rotary_dim, rotary_dim + head_dim)
+
+
+def mlp_prefill_bytes(cfg: TargetConfig, T: int, dtype) -> int:
+    """The MLP half of DecoderLayer.prefill over T tokens, beyond the layer's input x: the residual
+    sum and its post-attention norm [T, H], then MLP.forward's fused gate|up [T, 2I], silu(gate)
+    and its product with up [T, I] each (down_proj's [T, H] comes after silu(gate) is freed)."""
+    dt = dtype_bytes(dtype)
+    return T * dt * (2 * cfg.hidden_size + 4 * cfg.intermediate_size)
+
+
+def gdn_prefill_bytes(cfg: TargetConfig, T: int, dtype, fla: bool) -> int:
+    """GatedDeltaNet.prefill over a chunk of T tokens (its input, the layer's normed x, excluded).
+
+    From the causal conv on, its locals live to the end: the input projection [T, C + hv dv + 2 hv],
+    xc = [conv_state; qkv] [w-1+T, C], the fp32 conv accumulator acc [T, C], mixed [T, C], the
+    repeated fp32 q|k [T, 2, hv, dk] and g, beta fp32 [T, hv]. The peak is the largest of:
+      conv: acc, xc[j:j+T].float() and w[j] * it (3 x [T, C] fp32) before mixed exists;
+      l2norm_qk over [T, 2, hk, dk] in fp32, then its rows beside their repeat to the value heads;
+      recurrence, fla (ddtree.ops.fla.fla_chain -> chunk_gated_delta_rule): q and k made
+        contiguous, v.float(), the cumulated g, the WY matrix A [T, hv, 64], w, u, the chunk
+        states h [ceil(T/64), hv, dk, dv], v_new and o, all fp32, and the final state;
+      recurrence, gdn.chain_chunked (no fla): the outputs of the 64-token chunks so far and their
+        cat (2 x [T, hv, dv] fp32), a chunk's tree_wy temporaries (5 x [hv, 64, 64] and
+        6 x [hv, 64, dv] fp32) and the carried state twice;
+      the output norm: o fp32 and o.to(dtype) [T, hv, dv] and GatedRMSNorm's peak."""
+    if not cfg.is_hybrid:
+        return 0
+    dt = dtype_bytes(dtype)
+    C, hv, hk, dk, dv, hist = (cfg.gdn_conv_dim, cfg.gdn_num_v_heads, cfg.gdn_num_k_heads, cfg.gdn_k_dim,
+                               cfg.gdn_v_dim, cfg.conv_kernel - 1)
+    proj = T * (C + hv * dv + 2 * hv) * dt
+    xc = (hist + T) * C * dt
+    conv = proj + xc + 3 * T * C * F32
+    held = proj + xc + T * C * (F32 + dt) + T * (2 * hv * dk + 2 * hv) * F32
+    qk, rep = T * 2 * hk * dk * F32, T * 2 * hv * dk * F32
+    l2 = held - rep + max(3 * qk, qk + rep)  # l2norm_qk's fp32 copy, square and normed rows; then beside their repeat
+    state = hv * dk * dv * F32
+    n = min(GDN_CHAIN_CHUNK, T)
+    if fla:
+        chunks = -(-T // GDN_CHAIN_CHUNK)
+        rec = (T * (2 * hv * dk + hv * dv + hv + GDN_CHAIN_CHUNK * hv + hv * dk + 3 * hv * dv) * F32
+               + chunks * state + state)
+    else:
+        rec = max(T * hv * dv * F32 + hv * (5 * n * n + 6 * n * dv) * F32, 2 * T * hv * dv * F32) + 2 * state
+    norm = T * hv * dv * (F32 + dt) + gated_norm_peak_bytes(T * hv * dv, dtype) + state
+    return max(conv, l2, held + rec, held + norm)
+
+
+def prefill_attention_workspace_bytes(cfg: TargetConfig, T: int, S: int, sms: int = 148, bm: int = 128) -> int:
+    """ddtree.ops.attention.prefill_attention's fallback where SDPA's flash kernel does not run
+    (its "triton" backend: tree_attention over keys [0, S), causal): the split-KV workspace
+    (NS + 1) x KVH x T*G x (D + 2) fp32 when num_splits gives NS >= 2 (few query rows over a long
+    prefix: a prompt's short last chunk). Bounded with the largest row tile (bm) and SM count
+    (sms) of the GPUs it runs on. Flash itself keeps only its output and log-sum-exp."""
+    kvh, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    rows = T * G
+    units = -(-rows // bm) * kvh
+    ns = min(-(-sms // units), S // max(256, 4 * rows), 128)
+    return 0 if ns < 2 else (ns + 1) * kvh * rows * (cfg.head_dim + 2) * F32
+
+
+def attention_prefill_bytes(cfg: TargetConfig, T: int, S: int, dtype) -> int:
+    """Attention.prefill over a chunk of T tokens ending at key S (its input, the normed x, excluded):
+    the fused q|k|v [T, nh hd (x2 gated) + 2 kvh hd] and the output gate's copy [T, nh hd], then the
+    largest of q_norm's peak (over [T, nh, hd]), rope of q beside the normed q, and, once the
+    roped q and k are held, prefill_attention's output [T, nh, hd] with its fp32 log-sum-exp
+    [nh, T] (SDPA's flash kernel, no mask), sigmoid(gate) and o * it; or the triton fallback's
+    workspace."""
+    dt = dtype_bytes(dtype)
+    q, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    gated = cfg.attn_output_gate
+    base = T * (q * (2 if gated else 1) + 2 * kvd) * dt + (T * q * dt if gated else 0)
+    qn = norm_peak_bytes(T * cfg.num_heads, cfg.head_dim, dtype, cfg.norm_plus_one)
+    rope = T * q * dt + rope_peak_bytes(T, cfg.num_heads, cfg.head_dim, cfg.rotary_dim, dtype)
+    held = T * (q + kvd) * dt  # roped q and k
+    out = T * q * dt + T * cfg.num_heads * F32 + (2 * T * q * dt if gated else 0)
+    out = max(out, T * q * dt + prefill_attention_workspace_bytes(cfg, T, S))
+    return base + max(qn, rope, held + out)
+
+
+def prefill_layer_bytes(cfg: TargetConfig, kind: str, T: int, S: int, dtype, fla: bool) -> int:
+    """DecoderLayer.prefill over a chunk of T tokens (keys up to S), beyond its input x: the mixer
+    half (input_layernorm's output [T, H] + the mixer's peak, or the norm's own peak) or the MLP
+    half, whichever is larger."""
+    dt = dtype_bytes(dtype)
+    mixer = gdn_prefill_bytes(cfg, T, dtype, fla) if kind == GDN else attention_prefill_bytes(cfg, T, S, dtype)
+    norm = norm_peak_bytes(T, cfg.hidden_size, dtype, cfg.norm_plus_one)
+    return max(T * cfg.hidden_size * dt + mixer, norm, mlp_prefill_bytes(cfg, T, dtype))
+
+
+def taps_bytes(cfg: TargetConfig, d: DrafterConfig, rows: int, dtype) -> int:
+    """Tap rows [rows, taps H] in the target's dtype (TargetModel._prefill_chunk's cat of the
+    tapped layers' outputs, the drafter's context input)."""
+    return rows * len(d.target_layer_ids) * cfg.hidden_size * dtype_bytes(dtype)
+
+
+def drafter_context_bytes(cfg: TargetConfig, d: DrafterConfig, rows: int, dtype) -> int:
+    """DFlashDrafter.add_context of one prefill chunk's `rows` tap rows, on the drafter's device
+    (the taps themselves excluded: they are the caller's): fc's output [rows, H] and hidden_norm's
+    peak, or, with the normed rows h [rows, H], the slots and the rope rows (fp32 [rows, hd] x 2),
+    one layer's k|v [rows, 2 kvh hd] with k_norm's or rope's peak over k."""
+    dt = dtype_bytes(dtype)
+    H, kvd = d.hidden_size, d.num_kv_heads * d.head_dim
+    first = rows * H * dt + norm_peak_bytes(rows, H, dtype, False)
+    k = max(norm_peak_bytes(rows * d.num_kv_heads, d.head_dim, dtype, False),
+            rows * kvd * dt + rope_peak_bytes(rows, d.num_kv_heads, d.head_dim, d.head_dim, dtype))
+    layer = rows * 2 * kvd * dt + k
+    return max(first, rows * H * dt + rows * (LONG + 2 * d.head_dim * F32) + layer)
+
+
+#: SDPA backends of the masked attention a verify (Attention.forward: SDPA with the dense
+#: [T, kv_len] mask of TargetModel.make_step) and a draft (DraftAttention.forward) take. With a
+#: boolean mask and kv heads < query heads, torch's flash kernel is ruled out (no mask) and its
+#: memory-efficient kernel too (no GQA): it falls to `math` unless cuDNN attention is preferred
+#: (sm90 / sm100 with cuDNN > 9.15), which is `fused` here. RTX A6000 (sm86) and A100 (sm80) take
+#: `math`. (The prefill takes neither: ddtree.ops.attention.prefill_attention has no mask.)
 ATTENTION_PATHS = ("math", "fused")
 
 
@@ -222,8 +393,8 @@ def sdpa_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: 
 
 
 def step_mask_bytes(T: int, S: int) -> int:
-    """TargetModel.make_step on each device: attention mask, tree visibility and the gathered path
-    rows, bool [T, S] each, and three long index rows [S]."""
+    """TargetModel.make_step on each device (a verify): the attention mask held through the forward,
+    the tree visibility and the gathered path rows, bool [T, S] each, and three long index rows [S]."""
     return 3 * T * S + 3 * S * LONG
 
 
@@ -236,8 +407,10 @@ def widest_row(cfg: TargetConfig) -> int:
 
 
 def activation_bytes(cfg: TargetConfig, T: int) -> int:
-    """A bound on one layer's intermediates for T nodes (projections, norms in fp32, gates, the GDN
-    recurrence's fp32 q / k / v / decay): 8 fp32 copies of its widest row per node."""
+    """A bound on one layer's intermediates in a verify of T nodes (DecoderLayer.forward: the
+    projections, norms in fp32, the tree conv's [T, w, C] fp32 window, tree_wy's fp32 q / k / v and
+    [hv, T, T] terms or the Triton tree kernel's): 8 fp32 copies of the widest row per node. A
+    prefill chunk takes the per-token model above (prefill_layer_bytes), not this bound."""
     return 8 * T * widest_row(cfg) * F32
 
 
@@ -247,24 +420,14 @@ def logits_bytes(cfg: TargetConfig, rows: int, dtype) -> int:
     return rows * cfg.vocab_size * (dtype_bytes(dtype) + 3 * F32)
 
 
-def prefill_taps_bytes(cfg: TargetConfig, d: DrafterConfig, rows: int, dtype) -> int:
-    """TargetModel.prefill keeps every chunk's taps [rows, taps H] for the drafter until the end
-    of the prompt (then concatenates them: twice that, briefly)."""
-    return rows * len(d.target_layer_ids) * cfg.hidden_size * dtype_bytes(dtype)
-
-
-def drafter_context_bytes(cfg: TargetConfig, d: DrafterConfig, rows: int, dtype) -> int:
-    """DFlashDrafter.add_context over `rows` context rows (the whole prompt after a prefill): the
-    taps it reads [rows, taps H], fc's output [rows, H] and hidden_norm's fp32 input and normed
-    rows (2 x [rows, H] fp32: torch's fused CUDA rms_norm; the composite one also squares). The
-    per-layer k / v that follow are smaller ([rows, 2 kvh hd] and a few copies for norm and rope)."""
-    return prefill_taps_bytes(cfg, d, rows, dtype) + rows * d.hidden_size * (dtype_bytes(dtype) + 2 * F32)
-
-
 def drafter_round_bytes(cfg: TargetConfig, d: DrafterConfig, context: int, dtype, path: str) -> int:
-    """One draft: attention over [context ; block] (the same SDPA path), its mask, the block's
-    activations and the draft logits [B-1, V] (on the lm_head's device; counted there)."""
+    """One draft (DFlashDrafter.draft_logits / draft_topk): per layer, DraftAttention.forward's SDPA
+    over [context ; block] (S = context + B keys, the same masked SDPA path as the verify) and its
+    mask (the key positions [S] long, the window's position differences [B, S] long and up to three
+    bool [B, S] terms), and the block's activations; the draft logits [B-1, V] are on the lm_head's
+    device (counted there)."""
     B = d.block_size
     S = context + B
-    attn = sdpa_workspace_bytes(d.num_heads, d.num_kv_heads, d.head_dim, B, S, dtype, path) + 3 * B * S
-    return attn + 8 * B * 2 * d.intermediate_size * F32
+    attn = sdpa_workspace_bytes(d.num_heads, d.num_kv_heads, d.head_dim, B, S, dtype, path)
+    mask = S * LONG + B * S * (LONG + 3)
+    return attn + mask + 8 * B * 2 * d.intermediate_size * F32

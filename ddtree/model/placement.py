@@ -4,8 +4,9 @@ first stage, the final norm and lm_head on the last, the drafter on the stage wh
 A stage is one entry of --devices; entries may repeat ("cuda:0,cuda:0": two stages on one GPU),
 and stages on the same GPU share its capacity. The split balances the bytes a decode step reads
 per stage (weights + K/V at max_len + states, ddtree.model.memory) while every GPU holds its
-stages' weights and state, the transient peaks of a forward and the reserves (`gpu_rows`). Configs
-only: nothing here allocates or imports torch.
+stages' weights and state, the transient peak of a generation's phases (a prefill chunk, the
+drafter's context of a chunk, a verify, a draft) and the reserves (`gpu_rows`). Configs only:
+nothing here allocates or imports torch.
 
     split = place(cfg, drafter_cfg, ["cuda:0", "cuda:1"], Workload(max_len=131072), capacities)
     split.layer_devices   # one entry of devices per layer
@@ -29,9 +30,11 @@ class Workload:
 
     max_len: int
     dtype: Any = "bfloat16"
-    attention: str = "math"  # SDPA path of masked GQA: 'math' or 'fused' (ddtree.model.memory.ATTENTION_PATHS)
-    tree_capacity: int = 256  # nodes one target forward may hold (TargetModel.allocate_state's default)
-    prefill_chunk: int = 256  # Decoder.generate's prefill chunk on CUDA (capped by tree_capacity)
+    attention: str = "math"  # the verify's / draft's masked SDPA: 'math' or 'fused' (memory.ATTENTION_PATHS)
+    tree_capacity: int = 256  # nodes one tree forward may hold (TargetModel.allocate_state's default)
+    prefill_chunk: int | None = None  # tokens per prefill forward; None: the engine's rule (see prefill_chunk)
+    fla: bool = True  # the prefill's GDN chain through fla's chunk kernel (Kernels.fla); False: gdn.chain_chunked
+    deferred: bool = False  # --budget auto: its DeferredContext on the drafter's device
     verify_nodes: int = 33  # nodes of the largest tree verified (budget + root; --budget 32 by default)
     graphs: bool | None = None  # CUDA graphs: None = when every stage is on one GPU (Decoder's rule)
     graph_buckets: int = 2  # context buckets whose captured graphs are alive at once (see gpu_rows)
@@ -92,7 +95,8 @@ def _prefix(xs: list[int]) -> list[int]:
 
 #: row names of a device's table, in order; EXACT rows first, then the estimates
 EXACT_ROWS = ("GDN weights", "attention weights", "MLP weights", "norms", "embedding", "final norm + lm_head",
-              "drafter weights", "K/V cache", "GDN states", "GDN tree scratch", "rope tables", "drafter K/V + rope")
+              "drafter weights", "K/V cache", "GDN states", "GDN tree scratch", "rope tables", "drafter K/V + rope",
+              "deferred context")
 ESTIMATE_ROWS = ("activations", "graph pools", "workspace")
 WEIGHT_ROWS = EXACT_ROWS[:7]
 
@@ -114,6 +118,8 @@ def stage_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, start: 
     if drafter and d is not None:
         rows["drafter weights"] = mem.drafter_weight_bytes(d, dt)
         rows["drafter K/V + rope"] = sum(mem.drafter_state_bytes(d, wl.max_len, dt).values())
+        if wl.deferred:
+            rows["deferred context"] = mem.deferred_context_bytes(cfg, d, dt)
     rows["K/V cache"] = mem.kv_cache_bytes(cfg, n_attn, wl.max_len, dt)
     g = mem.gdn_group_bytes(cfg, n_gdn, dt, wl.tree_capacity)
     rows["GDN states"] = g["conv"] + g["recurrent"]
@@ -132,31 +138,60 @@ def stage_read(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, start: 
     return r
 
 
-def _phases(cfg: TargetConfig, d: DrafterConfig | None, has_attn: bool, last: bool, drafter: bool,
-            wl: Workload) -> dict[str, tuple[int, int]]:
-    """Transient bytes of one stage per phase of a generation, as (held, working): held tensors
-    add up over the stages of one GPU, working ones do not (one stage computes at a time).
+def prefill_chunk(cfg: TargetConfig, wl: Workload, first_gpu_free: int | None) -> int:
+    """Tokens per prefill forward: wl.prefill_chunk, else what TargetModel.prefill_chunk picks
+    from the free memory of the first layer's GPU once weights and state are in (the first
+    generation's: later ones find less free and take smaller chunks); the largest when it is not
+    known (no capacities)."""
+    if wl.prefill_chunk is not None:
+        return wl.prefill_chunk
+    return mem.prefill_chunk_tokens(cfg, first_gpu_free)
 
-    prefill: a chunk's forward at S = max_len; the last stage holds the prompt's taps so far
-      (TargetModel.prefill keeps them for the drafter), then concatenates them (twice, briefly).
-    context: the drafter's add_context over the whole prompt (the last stage keeps its copy of
-      the taps when the drafter is elsewhere).
-    verify / draft: a tree's forward (logits on the last stage) and a drafter round (its logits on
-      the lm_head's stage)."""
-    S, dt = wl.max_len, wl.dtype
+
+def _phases(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, start: int, end: int, first: bool, last: bool,
+            drafter: bool, drafter_beside_taps: bool, remote_taps: int, chunk: int, wl: Workload,
+            rope_rows: bool = True) -> dict[str, tuple[int, int]]:
+    """Transient bytes of one stage (layers [start, end)) per phase of a generation, as (held,
+    working): held tensors add up over the stages of one GPU, working ones do not (one stage
+    computes at a time).
+
+    prefill (TargetModel.prefill -> _prefill_chunk, a chunk of `chunk` tokens, keys up to max_len):
+      working: the residual stream x [T, H] and the largest of its layers' DecoderLayer.prefill
+      (memory.prefill_layer_bytes); on the last stage also the chunk's tap cat (the taps of the
+      remote_taps layers on other GPUs copied over, and the cat [T, taps H]). held: the outputs
+      of its tapped layers (kept for the cat), the chunk's rope rows (once per GPU: rope_rows),
+      the tokens (first stage); on the last stage the previous chunk's taps (Decoder.prefill
+      hands them to the drafter; `tap` lives on into the next chunk) and the last row's logits.
+    context (DFlashDrafter.add_context of a chunk's taps, on_taps): working on the drafter's stage
+      (memory.drafter_context_bytes, + the taps' copy when the drafter is on another GPU than the
+      lm_head); held: the chunk's taps on the last stage.
+    verify / draft: a tree's forward (its masks, layers, masked SDPA; logits and taps on the last
+      stage) and a drafter round (its logits on the lm_head's stage)."""
+    S, dt, H = wl.max_len, wl.dtype, cfg.hidden_size
+    b = mem.dtype_bytes(dt)
+    kinds = set(lay.kinds[start:end])
+    has_attn = mem.ATTN in kinds
 
     def forward(T: int) -> int:
         attn = mem.sdpa_workspace_bytes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, T, S, dt, wl.attention)
         return mem.step_mask_bytes(T, S) + mem.activation_bytes(cfg, T) + (attn if has_attn else 0)
 
-    Tp = min(wl.prefill_chunk, wl.tree_capacity)
+    T = chunk
+    taps = mem.taps_bytes(cfg, d, T, dt) if d is not None else 0
+    here = sum(1 for i in (d.target_layer_ids if d is not None else []) if start <= i < end)
+    layer = max((mem.prefill_layer_bytes(cfg, k, T, S, dt, wl.fla) for k in kinds), default=0)
+    work = T * H * b + layer if end > start else 0
+    held = here * T * H * b + (2 * T * cfg.rotary_dim * b if rope_rows else 0) + (T * mem.LONG if first else 0)
+    if last:
+        work = max(work, remote_taps * T * H * b + taps)  # the cat: copies of other GPUs' taps, then it
+        held += taps + mem.logits_bytes(cfg, 1, dt)
+    ph = {"prefill": (held, work)}
     Tv = min(wl.verify_nodes, wl.tree_capacity)
-    taps = mem.prefill_taps_bytes(cfg, d, S, dt) if d is not None else 0
-    ph = {"prefill": (taps if last else 0, forward(Tp)), "concat": (2 * taps if last else 0, 0),
-          "verify": (mem.logits_bytes(cfg, Tv, dt) if last else 0, forward(Tv))}
+    vtaps = mem.taps_bytes(cfg, d, Tv, dt) if d is not None else 0
+    ph["verify"] = ((mem.logits_bytes(cfg, Tv, dt) + vtaps) if last else 0, forward(Tv) if end > start else 0)
     if d is not None:
-        ctx = mem.drafter_context_bytes(cfg, d, S, dt) if drafter else 0
-        ph["context"] = (taps if last and not drafter else 0, ctx)
+        ctx = mem.drafter_context_bytes(cfg, d, T, dt) + (0 if drafter_beside_taps else taps)
+        ph["context"] = (taps if last else 0, ctx if drafter else 0)
         ph["draft"] = (mem.logits_bytes(cfg, d.block_size - 1, dt) if last else 0,
                        mem.drafter_round_bytes(cfg, d, S, dt, wl.attention) if drafter else 0)
     return ph
@@ -181,6 +216,7 @@ class Split:
     gpus: dict[str, dict[str, int]] = field(default_factory=dict)  # gpu -> row -> bytes (+ 'total')
     reads: list[int] = field(default_factory=list)  # per stage
     phases: dict[str, dict[str, int]] = field(default_factory=dict)  # gpu -> phase -> transient bytes
+    prefill_chunk: int = 0  # the tokens per prefill forward the phases assume
     fits: bool = True
 
     def peak_phase(self, gpu: str) -> str:
@@ -203,32 +239,51 @@ class Split:
 
 
 def gpu_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, bounds: list[int], devices: Sequence[Any],
-             drafter_stage: int | None, wl: Workload, phases_out: dict | None = None) -> dict[str, dict[str, int]]:
+             drafter_stage: int | None, wl: Workload, phases_out: dict | None = None,
+             capacities: dict[str, int] | None = None, info: dict | None = None) -> dict[str, dict[str, int]]:
     """Per GPU: the exact rows summed over its stages, then the estimates and the total.
 
     bounds: stage j holds layers [bounds[j], bounds[j + 1]); fewer than len(devices) + 1 entries
     is a partial split (the first stages, while placing). activations: the largest phase of
-    `_phases` (held bytes summed over the GPU's stages + the largest working term). graph pools
-    (CUDA graphs: one GPU): every captured graph keeps a private pool as large as its forward's
-    peak; a verify and a draft graph per context bucket, for `graph_buckets` buckets (graphs of
-    earlier buckets stay captured: long generations hold more). workspace: the fixed allowance +
-    the slack fraction of the rest + the CUDA context. phases_out (a dict) gets each GPU's
-    transient bytes per phase."""
+    `_phases` (held bytes summed over the GPU's stages + the largest working term), for a prefill
+    chunk of `prefill_chunk` tokens (from the first GPU's capacity less its exact rows and the CUDA
+    context). graph pools (CUDA graphs: one GPU): every captured graph keeps a private pool as large
+    as its forward's peak; a verify and a draft graph per context bucket, for `graph_buckets`
+    buckets (graphs of earlier buckets stay captured: long generations hold more). workspace: the
+    fixed allowance + the slack fraction of the rest + the CUDA context. phases_out (a dict) gets
+    each GPU's transient bytes per phase; info (a dict) the prefill chunk."""
     D = len(devices)
     graphs = graphs_on(wl, devices)
     out: dict[str, dict[str, int]] = {}
-    phases: dict[str, dict[str, list[int]]] = {}
-    for j in range(len(bounds) - 1):
+    n = len(bounds) - 1
+    for j in range(n):
         g = gpu_of(devices[j])
         s, e = bounds[j], bounds[j + 1]
-        last, dr = j == D - 1, j == drafter_stage
         acc = out.setdefault(g, {r: 0 for r in EXACT_ROWS})
-        for r, v in stage_rows(cfg, d, lay, s, e, j == 0, last, dr, wl).items():
+        for r, v in stage_rows(cfg, d, lay, s, e, j == 0, j == D - 1, j == drafter_stage, wl).items():
             acc[r] += v
         if e > s:  # one cos / sin pair per device that holds layers (TargetModel._rope)
             acc["rope tables"] = mem.target_rope_bytes(cfg, wl.max_len)
-        has_attn = lay.sum(lay.attn, s, e) > 0
-        for name, (held, work) in _phases(cfg, d, has_attn, last, dr, wl).items():
+    g0 = gpu_of(devices[0])
+    free0 = None if capacities is None else capacities[g0] - wl.context - sum(out[g0].values())
+    chunk = prefill_chunk(cfg, wl, free0)
+    if info is not None:
+        info["prefill_chunk"] = chunk
+    out_gpu = gpu_of(devices[D - 1])
+    beside = drafter_stage is not None and gpu_of(devices[drafter_stage]) == out_gpu
+    remote = 0  # tapped layers on other GPUs than the lm_head's (their taps are copied for the cat)
+    if d is not None and n == D:
+        remote = sum(1 for i in d.target_layer_ids for j in range(D)
+                     if bounds[j] <= i < bounds[j + 1] and gpu_of(devices[j]) != out_gpu)
+    phases: dict[str, dict[str, list[int]]] = {}
+    roped: set = set()  # GPUs whose Chunk (its rope rows) is counted: one per device (TargetModel._prefill_chunk)
+    for j in range(n):
+        g = gpu_of(devices[j])
+        rope = bounds[j + 1] > bounds[j] and g not in roped
+        if rope:
+            roped.add(g)
+        for name, (held, work) in _phases(cfg, d, lay, bounds[j], bounds[j + 1], j == 0, j == D - 1,
+                                          j == drafter_stage, beside, remote, chunk, wl, rope).items():
             p = phases.setdefault(g, {}).setdefault(name, [0, 0])
             p[0] += held
             p[1] = max(p[1], work)
@@ -266,7 +321,7 @@ def _greedy(cfg, d, lay, devices, drafter_stage, wl, caps, limit) -> list[int] |
         if caps is None:
             return True
         g = gpu_of(devices[j])
-        return gpu_rows(cfg, d, lay, bounds, devices, drafter_stage, wl)[g]["total"] <= caps[g]
+        return gpu_rows(cfg, d, lay, bounds, devices, drafter_stage, wl, capacities=caps)[g]["total"] <= caps[g]
 
     bounds = [0]
     for j in range(D - 1):
@@ -346,7 +401,9 @@ def place(cfg: TargetConfig, d: DrafterConfig | None, devices: Sequence[Any], wl
     _, ds, b = sol
     split = Split(devices=devices, stages=[Stage(str(devices[j]), b[j], b[j + 1]) for j in range(D)],
                   drafter_stage=ds, workload=wl, capacities=caps)
-    split.gpus = gpu_rows(cfg, d, lay, b, devices, ds, wl, split.phases)
+    info: dict = {}
+    split.gpus = gpu_rows(cfg, d, lay, b, devices, ds, wl, split.phases, caps, info)
+    split.prefill_chunk = info["prefill_chunk"]
     split.reads = [stage_read(cfg, d, lay, b[j], b[j + 1], j == D - 1, j == ds, wl) for j in range(D)]
     split.fits = fits and not split.over()
     return split

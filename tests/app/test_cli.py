@@ -248,7 +248,7 @@ def test_out_of_memory_is_one_line(monkeypatch):
 
     skip_without_fixture()
 
-    def oom(spec, max_len, with_drafter, stage=None):
+    def oom(spec, max_len, with_drafter, stage=None, **kw):
         stage("loading the target")
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 

@@ -1,14 +1,15 @@
 """The memory plan (ddtree.app.plan) on the exact Qwen3.6-27B + DFlash configs, `ddtree plan`, and
 the check `generate` / `bench` run before loading. CPU only, configs only.
 
-Figures these tests state (bf16, --budget 32, CUDA context and workspace reserved):
-  2 x 48 GiB, an attention kernel that takes the mask with GQA (cuDNN: H100/H200): 128K fits,
-    up to --max-length 199680.
-  2 x 48 GiB, torch's math SDPA fallback (what an RTX A6000 runs today): 128K does not fit;
-    up to 93184 (the fp32 K/V expanded to the query heads and the [h, T, S] scores of a prefill
-    chunk take ~17 GiB per GPU at 128K).
-  1 x 80 GB (74.5 GiB): up to 30720 with the math path, 86016 with a fused one.
-  2 x 24 GB: the weights alone (53.33 GiB) do not fit; 4 such GPUs hold 32K.
+Figures these tests state (bf16, --budget 32, CUDA context and workspace reserved; the prefill in
+chunks the engine picks from the first GPU's free memory, its GDN chain through fla's kernel):
+  2 x 48 GiB, torch's math SDPA for the verify's and draft's masked attention (what an RTX A6000
+    runs, and the default with --gpu-memory): 128K fits, up to --max-length 149504 (past it, the
+    verify's fp32 K/V expanded to the query heads outgrow a GPU: ~10 GiB at 128K).
+  2 x 48 GiB, a fused SDPA kernel (cuDNN attention: H100/H200): the model's whole 262144 fits.
+  1 x 80 GB (74.5 GiB, CUDA graphs): up to 35840 with the math path, 153600 with a fused one.
+  1 x H200 (141 GB = 131.3 GiB): up to 167936 with the math path; 262144 with a fused one.
+  2 x 24 GB: the weights alone (53.33 GiB) do not fit; 3 such GPUs hold 32K.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ddtree.app.plan import check_fits, format_plan, parse_gpu_memory, plan_for_
 from ddtree.errors import DDTreeError
 from ddtree.model import memory as mem
 from ddtree.model.config import DrafterConfig, TargetConfig
-from ddtree.model.placement import GiB, WEIGHT_ROWS, Workload, place
+from ddtree.model.placement import EXACT_ROWS, GiB, WEIGHT_ROWS, Workload, place
 from ddtree.model.presets import qwen36_27b_config, qwen36_27b_dflash_config
 
 T = TargetConfig.from_dict(qwen36_27b_config())
@@ -58,35 +59,47 @@ def test_weights_of_the_27b_pair():
     assert round(weights / GiB, 2) == 53.33
 
 
-def test_2x48gib_fits_128k_with_a_fused_attention_kernel():
-    plan = qplan("2x48GiB", 131072, "fused")
+def test_2x48gib_fits_128k_with_the_math_sdpa_path():
+    """The A6000 case (and --gpu-memory's default path): 128K fits, up to 149504."""
+    plan = qplan("2x48GiB", 131072, "math")
     check_fits(plan)
-    assert plan.fits and plan.largest == 199680  # how far it fits: 1.52x the 128K asked for
+    assert plan.fits and plan.largest == 149504  # how far it fits: 1.14x the 128K asked for
     split = plan.split
     assert split.drafter_device == "cuda:1"
     assert split.stages[0].start == 0 and split.stages[1].end == T.num_layers
     for g, rows in split.gpus.items():
         assert rows["total"] <= 48 * GiB
+        assert split.peak_phase(g) == "verify"  # the math SDPA of a 33-node verify over 128K keys
     # the K/V of 128K: 16 attention layers x 131072 x 4 heads x 256 x 2 (K, V) x 2 bytes = 8 GiB
     assert sum(r["K/V cache"] for r in split.gpus.values()) == 8 * GiB
+    # the prefill: the chunk the engine would pick from cuda:0's free memory, its taps per chunk
+    assert split.prefill_chunk == mem.prefill_chunk_tokens(T, 48 * GiB - GiB // 2 - sum(
+        split.gpus["cuda:0"][r] for r in EXACT_ROWS)) == 7424
     # the bound found is the boundary: one step further does not fit
-    over = place(T, D, ["cuda:0", "cuda:1"], Workload(**{**split.workload.__dict__, "max_len": 199680 + 1024}),
+    over = place(T, D, ["cuda:0", "cuda:1"], Workload(**{**split.workload.__dict__, "max_len": 149504 + 1024}),
                  plan.capacities)
     assert not over.fits
 
 
-def test_2x48gib_with_the_math_sdpa_path_refuses_128k_and_names_93184():
-    plan = qplan("2x48GiB", 131072, "math")
-    assert not plan.fits and plan.largest == 93184
+def test_2x48gib_with_a_fused_attention_kernel_fits_the_models_maximum():
+    plan = qplan("2x48GiB", T.max_position_embeddings, "fused")
+    check_fits(plan)
+    assert plan.fits and plan.largest == T.max_position_embeddings == 262144
+    assert {plan.split.peak_phase(g) for g in plan.split.gpus} == {"prefill"}
+
+
+def test_2x48gib_refuses_the_models_maximum_with_the_math_path_and_names_149504():
+    plan = qplan("2x48GiB", 262144, "math")
+    assert not plan.fits and plan.largest == 149504
     msg = error_of(plan)
-    assert msg.startswith(f"{NAME} at --max-length 131072 needs ")
-    assert "the largest --max-length that fits these devices is 93184" in msg and "--max-length 93184" in msg
-    check_fits(qplan("2x48GiB", 93184, "math", search=False))
+    assert msg.startswith(f"{NAME} at --max-length 262144 needs ")
+    assert "the largest --max-length that fits these devices is 149504" in msg and "--max-length 149504" in msg
+    check_fits(qplan("2x48GiB", 149504, "math", search=False))
 
 
 def test_1x80gb():
     """80 GB = 74.5 GiB, one GPU (CUDA graphs and their pools): the model's full 262144 refuses."""
-    for attention, largest in (("math", 30720), ("fused", 86016)):
+    for attention, largest in (("math", 35840), ("fused", 153600)):
         plan = qplan("80GB", T.max_position_embeddings, attention)
         assert plan.largest == largest
         assert f"the largest --max-length that fits these devices is {largest}" in error_of(plan)
@@ -94,19 +107,40 @@ def test_1x80gb():
     check_fits(qplan("80GB", 32768, "fused"))
 
 
+def test_1x_h200():
+    """141 GB = 131.3 GiB: the model's whole context with a fused SDPA kernel (as an H200 runs
+    cuDNN attention), up to 167936 on the math path."""
+    plan = qplan("141GB", T.max_position_embeddings, "fused")
+    check_fits(plan)
+    assert plan.largest == 262144 and plan.split.prefill_chunk == 8192
+    plan = qplan("141GB", T.max_position_embeddings, "math")
+    assert plan.largest == 167936
+    assert "the largest --max-length that fits these devices is 167936" in error_of(plan)
+
+
 def test_2x24gb_refuses_naming_how_many_gpus():
     msg = error_of(qplan("2x24GB", 32768, "fused"))
     assert "the weights alone (53.33 GiB) exceed 2 x 22.35 GiB" in msg
-    assert "4 x 22.35 GiB would hold it at this --max-length (--devices cuda:0,cuda:1,cuda:2,cuda:3)" in msg
+    assert "3 x 22.35 GiB would hold it at this --max-length (--devices cuda:0,cuda:1,cuda:2)" in msg
     msg = error_of(qplan("2x24GB", 1024, "math"))
     assert "3 x 22.35 GiB would hold it" in msg and "--devices cuda:0,cuda:1,cuda:2)" in msg
 
 
+def test_budget_auto_plans_the_deferred_context_on_the_drafters_gpu():
+    plan = qplan("2x48GiB", 131072, "math", search=False, deferred=True, verify_nodes=65)
+    rows = {g: r["deferred context"] for g, r in plan.split.gpus.items()}
+    assert rows == {"cuda:0": 0, "cuda:1": mem.deferred_context_bytes(T, D, "bfloat16")}
+    assert rows["cuda:1"] == 64 * 5 * 5120 * 2 + 8 + 64 * 8  # [64, taps x hidden] bf16, count, index
+    assert "deferred drafter context (auto)" in format_plan(plan)
+
+
 def test_format_plan_table():
-    plan = qplan("2x48GiB", 131072, "fused")
+    plan = qplan("2x48GiB", 131072, "math")
     text = format_plan(plan)
     lines = text.splitlines()
     assert lines[0].startswith(f"memory plan: {NAME} (64 layers: 48 GDN + 16 attention) + 5-layer DFlash drafter")
+    assert lines[1].startswith("verify / draft attention: torch's math SDPA")
+    assert lines[2].startswith("prefill: chunks of 7424 tokens (the engine's pick from cuda:0's free memory), flash attention")
     header = next(ln for ln in lines if ln.split() == ["cuda:0", "cuda:1"])
     assert header
     for label in ("layers", "K/V cache", "GDN states", "GDN tree-verify scratch", "drafter K/V cache + rope",
@@ -118,7 +152,11 @@ def test_format_plan_table():
     assert kv[2:] == [f"{n / 2:.2f}" if i % 2 == 0 else "GiB" for n in n_attn for i in range(2)]  # 0.5 GiB a layer
     layers = next(ln for ln in lines if ln.startswith("layers")).split()
     assert layers[1:] == [f"{s.start}-{s.end - 1}" for s in plan.split.stages]
-    assert lines[-1].startswith("fits: ") and "the largest --max-length that fits is 199680 (1.52x the requested 131072)" in lines[-1]
+    peak = next(ln for ln in lines if ln.strip().startswith("peak in")).split()
+    assert peak[2:] == ["verify", "verify"]
+    assert lines[-1].startswith("fits: ") and "the largest --max-length that fits is 149504 (1.14x the requested 131072)" in lines[-1]
+    assert "peak in" in format_plan(qplan("2x48GiB", 262144, "fused", search=False)) and "prefill chunk" in format_plan(
+        qplan("2x48GiB", 262144, "fused", search=False))
 
 
 @pytest.mark.parametrize("spec,sizes", [("2x48GiB", [48 * GiB] * 2), ("48GiB,48GiB", [48 * GiB] * 2),
@@ -158,20 +196,25 @@ def one_error_line(r) -> str:
 
 
 def test_cli_plan_prints_the_table(models):
+    """--gpu-memory plans for the math SDPA path unless --attention says otherwise."""
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
-               "--max-length", 131072, "--attention", "fused")
+               "--max-length", 131072)
     assert r.exit_code == 0, r.stderr
     assert "cuda:0" in r.stdout and "cuda:1" in r.stdout and "K/V cache" in r.stdout and "free after" in r.stdout
-    assert "the largest --max-length that fits is 199680" in r.stdout
+    assert "the largest --max-length that fits is 149504" in r.stdout and "torch's math SDPA" in r.stdout
     assert r.stderr.strip() == ""
+    r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
+               "--max-length", 131072, "--attention", "fused", "--budget", "auto")
+    assert r.exit_code == 0, r.stderr
+    assert "the model's maximum" in r.stdout and "deferred drafter context (auto)" in r.stdout
 
 
 def test_cli_plan_that_does_not_fit(models):
     """The table on stdout, then one error line: exit 2 (as generate would fail)."""
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
-               "--max-length", 131072, "--attention", "math")
+               "--max-length", 262144, "--attention", "math")
     line = one_error_line(r)
-    assert "the largest --max-length that fits these devices is 93184" in line
+    assert "the largest --max-length that fits these devices is 149504" in line
     assert "K/V cache" in r.stdout and "does not fit" in r.stdout
 
 
@@ -260,16 +303,23 @@ def test_plan_for_devices_against_free_memory(monkeypatch):
     split = plan_for_devices(T, D, devs, 8192, "bfloat16", room=33)
     assert len(split.layer_devices) == T.num_layers and split.drafter_device == "cuda:1"
     assert split.workload.context == 0 and split.workload.attention == "math" and split.workload.verify_nodes == 33
+    assert split.workload.fla == planmod.fla_in_use(devs) and not split.workload.deferred
+    # the prefill chunk the engine picks from cuda:0's free memory once the weights and state are in
+    assert split.prefill_chunk == mem.prefill_chunk_tokens(T, 40 * GiB - sum(split.gpus["cuda:0"][r] for r in EXACT_ROWS))
+    monkeypatch.setattr(planmod, "fla_in_use", lambda *a: False)
+    split = plan_for_devices(T, D, devs, 8192, "bfloat16", room=65, auto=True)
+    assert split.workload.deferred and not split.workload.fla and split.gpus["cuda:1"]["deferred context"] > 0
 
 
 def test_load_models_plans_before_reading_weights(monkeypatch, tmp_path):
     from ddtree.app import bench
 
     calls = []
-    monkeypatch.setattr(planmod, "plan_for_devices", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
+    monkeypatch.setattr(planmod, "plan_for_devices", lambda *a, **k: calls.append((a, k)) or (_ for _ in ()).throw(
         DDTreeError("does not fit")))
     monkeypatch.setattr(bench, "load_target", lambda *a, **k: pytest.fail("weights read before the plan"))
     spec = bench.ModelSpec(target_ref=NAME, target_dir=tmp_path, target_cfg=T, drafter_cfg=D, devices=["cuda:0"])
     with pytest.raises(DDTreeError, match="does not fit"):
-        bench.load_models(spec, 4096, True, room=33)
-    assert calls and calls[0][1] is D and calls[0][3] == 4096
+        bench.load_models(spec, 4096, True, room=33, auto=True)
+    (args, kw), = calls
+    assert args[1] is D and args[3] == 4096 and kw["auto"] is True  # --budget auto: its deferred context planned

@@ -417,6 +417,25 @@ def test_sampling_is_reproducible_with_a_seed(hybrid0):
         _check_records(a, method, hybrid0.block_size, 8)
 
 
+def test_prefill_taps_only_for_the_drafter(monkeypatch):
+    """Decoder.prefill asks the target for taps only where a drafter takes them, chunk by chunk:
+    `ar` with a drafter loaded (bench runs it beside the others) keeps no taps of the prompt."""
+    dec, _ = build_random_pair("hybrid", 5)
+    seen = []
+    prefill = dec.target.prefill
+
+    def spy(tokens, *a, **k):
+        seen.append((k.get("want_taps", True), k.get("on_taps") is not None))
+        logits, taps = prefill(tokens, *a, **k)
+        assert taps is None  # never the whole prompt's
+        return logits, taps
+
+    monkeypatch.setattr(dec.target, "prefill", spy)
+    a = dec.generate(_prompt(4, 9), "ar", max_new_tokens=4)
+    d = dec.generate(_prompt(4, 9), "dflash", max_new_tokens=4)
+    assert seen == [(False, False), (True, True)] and a.token_ids == d.token_ids
+
+
 @pytest.mark.parametrize("kind", ["hybrid", "dense"])
 def test_ar_launch_ahead_equals_round_loop(kind):
     """`ar` in the pipeline queues step r + 1 before reading step r (ddtree.decode.round); its

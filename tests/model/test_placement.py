@@ -28,7 +28,7 @@ def brute(devices, wl, caps, drafter=D):
     for cuts in itertools.combinations(range(1, L), n - 1):
         b = [0, *cuts, L]
         for ds in ([None] if drafter is None else range(n)):
-            rows = gpu_rows(T, drafter, lay, b, devices, ds, wl)
+            rows = gpu_rows(T, drafter, lay, b, devices, ds, wl, capacities=caps)
             if caps and any(r["total"] > caps[g] for g, r in rows.items()):
                 continue
             worst = max(stage_read(T, drafter, lay, b[j], b[j + 1], j == n - 1, j == ds, wl) for j in range(n))
@@ -50,7 +50,8 @@ def test_two_gpus_unconstrained_is_the_best_balance(max_len):
     assert abs(split.reads[0] - split.reads[1]) < max(mem.layer_read_bytes(T, k, max_len, "bfloat16") for k in T.layer_types)
 
 
-@pytest.mark.parametrize("caps_gib,max_len,attention", [((48, 48), 131072, "fused"), ((48, 48), 65536, "math"),
+@pytest.mark.parametrize("caps_gib,max_len,attention", [((48, 48), 131072, "fused"), ((48, 48), 131072, "math"),
+                                                        ((48, 48), 262144, "fused"), ((48, 48), 65536, "math"),
                                                         ((40, 52), 32768, "math"), ((52, 40), 32768, "math"),
                                                         ((46, 46), 131072, "fused"), ((30, 30), 4096, "fused")])
 def test_two_gpus_with_capacities_match_brute_force(caps_gib, max_len, attention):
