@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -256,6 +257,8 @@ def codepair_bench(d: Path, device: str, limit: int, out: str, budgets: str, dty
 
 
 def git_commit() -> str:
+    if os.environ.get("DDTREE_COMMIT"):  # a copy of the tree without its history (the GPU machine's)
+        return os.environ["DDTREE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
@@ -280,8 +283,10 @@ def main():
     ap.add_argument("--codepair-budgets", default="16,32,auto", help="ddtree budgets of the codepair bench")
     ap.add_argument("--codepair-dtypes", default="bfloat16")
     ap.add_argument("--codepair-drafters", default="drafter")
+    ap.add_argument("--parts", default="main", help="comma-separated: main (the preset at --contexts), dense, codepair")
     ap.add_argument("--out", default="results/engine.json")
     a = ap.parse_args()
+    parts = set(a.parts.split(",")) | ({"dense"} if a.dense else set()) | ({"codepair"} if a.codepair else set())
     if not torch.cuda.is_available():
         sys.exit("bench_engine.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -296,14 +301,16 @@ def main():
         Path(a.out).write_text(json.dumps(out, indent=2, default=str))
 
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    out["main"] = bench_preset(a.preset, a.devices.split(","), ints(a.contexts), ints(a.budgets), ints(a.sizes), a.hf,
-                               a.gen_tokens, options)
-    save()
-    if a.dense:
+    if "main" in parts:
+        out["main"] = bench_preset(a.preset, a.devices.split(","), ints(a.contexts), ints(a.budgets), ints(a.sizes), a.hf,
+                                   a.gen_tokens, options)
+        save()
+    if "dense" in parts:
         out["dense"] = bench_preset("qwen3-8b", a.devices.split(",")[:1], [512], [32], [1, 33], False, a.gen_tokens,
                                     options)
+        out["dense"]["contexts"] = {int(k): v for k, v in out["dense"]["contexts"].items()}
         save()
-    if a.codepair is not None:
+    if "codepair" in parts and a.codepair is not None:
         out["codepair"] = codepair_bench(a.codepair, a.devices.split(",")[0], a.codepair_limit, a.out,
                                          a.codepair_budgets, a.codepair_dtypes.split(","), a.codepair_drafters.split(","),
                                          a.codepair_tokens)

@@ -543,6 +543,12 @@ def run_plot(opts: dict, given: frozenset, results: Path) -> list:
     return paths
 
 
+def run_plan_command(opts: dict) -> None:
+    from ddtree.app.plan import run_plan
+
+    run_plan(opts, opts.pop("gpu_memory"), opts.pop("attention"))
+
+
 def run_selftest_command(opts: dict, given: frozenset) -> None:
     from ddtree.app.selftest import run_selftest
 
@@ -553,6 +559,9 @@ _command("generate", lambda opts, given, prompt: run_generate(opts, given, promp
          "Generate text for PROMPT (or each prompt of --prompts); only the generated text goes to stdout, streamed.")
 _command("bench", run_bench_command,
          "Benchmark ar / dflash / ddtree (per budget) on a prompt set: a table on stdout, a ddtree.stats/1 JSON file.")
+_command("plan", lambda opts, given: run_plan_command(opts),
+         "Memory plan from the configs alone: the layer split and each GPU's bytes at --max-length; fails in one line, "
+         "naming what would fit, when it does not fit.")
 _command("plot", lambda opts, given, results: run_plot(opts, given, results),
          "Speedup and acceptance vs budget, acceptance-length histograms and stage times as PNG files.")
 _command("selftest", run_selftest_command,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-COMMANDS: tuple[str, ...] = ("generate", "bench", "plot", "selftest")
-GEN, BENCH, PLOT, SELFTEST = COMMANDS
+COMMANDS: tuple[str, ...] = ("generate", "bench", "plan", "plot", "selftest")
+GEN, BENCH, PLAN, PLOT, SELFTEST = COMMANDS
 MODEL = (GEN, BENCH)  # the commands that load a checkpoint pair
 
 
@@ -76,13 +76,14 @@ OPTIONS: tuple[Opt, ...] = (
         argument=True),
     Opt("results", ("RESULTS",), Path, (PLOT,), "Result JSON written by ddtree bench or generate --stats-json (.json or .json.gz)",
         argument=True),
-    Opt("target", ("--target", "-t"), str, MODEL, "Target model: local directory or Hugging Face repo id (Qwen/Qwen3.6-27B)",
+    Opt("target", ("--target", "-t"), str, MODEL + (PLAN,),
+        "Target model: local directory or Hugging Face repo id (Qwen/Qwen3.6-27B); plan reads its config.json only",
         metavar="REF"),
-    Opt("drafter", ("--drafter", "-d"), str, MODEL,
+    Opt("drafter", ("--drafter", "-d"), str, MODEL + (PLAN,),
         "DFlash drafter: local directory or Hugging Face repo id (z-lab/Qwen3.6-27B-DFlash)", metavar="REF"),
     Opt("method", ("--method", "-m"), str, (GEN,), "ar, dflash (DFlash chain) or ddtree (draft tree)",
         default_doc="ddtree with a drafter, else ar", metavar="M"),
-    Opt("budget", ("--budget", "-b"), str, (GEN,),
+    Opt("budget", ("--budget", "-b"), str, (GEN, PLAN),
         "Draft-tree nodes verified per round (ddtree only), or auto: every round picks the budget (4, 8, 15, 32 or 64, "
         "or 0: a plain target step) with the most expected tokens per millisecond (drafter path probabilities times the "
         "acceptance seen so far, over verify costs timed once on this machine per context bucket)",
@@ -102,13 +103,27 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("top_p", ("--top-p",), float, MODEL, "Nucleus sampling mass, in (0, 1]", default=1.0, metavar="P", min=0, max=1),
     Opt("top_k", ("--top-k",), int, MODEL, "Top-k sampling; 0 = off", default=0, metavar="K", min=0),
     Opt("seed", ("--seed",), int, MODEL, "Sampling seed", default=0, metavar="S"),
-    Opt("dtype", ("--dtype",), str, MODEL, "bfloat16, float16 or float32", default_doc="bfloat16 on cuda, float32 on cpu",
-        metavar="D"),
-    Opt("devices", ("--devices", "--device"), str, (GEN, BENCH, SELFTEST),
-        "auto, cpu, cuda:0, or cuda:0,cuda:1 (target layers split over the GPUs by weight bytes; selftest takes one)",
-        default="auto", default_doc="auto (cuda:0 if available, else cpu)", metavar="LIST", toml_types=(list,)),
-    Opt("max_length", ("--max-length",), int, MODEL, "Length of the state buffers (K/V cache) in tokens",
-        default_doc="longest prompt + new tokens + tree + 256", metavar="L", min=1),
+    Opt("dtype", ("--dtype",), str, MODEL + (PLAN,), "bfloat16, float16 or float32",
+        default={PLAN: "bfloat16"}, default_doc={GEN: "bfloat16 on cuda, float32 on cpu", BENCH: "bfloat16 on cuda, float32 on cpu",
+                                                PLAN: "bfloat16"}, metavar="D"),
+    Opt("devices", ("--devices", "--device"), str, (GEN, BENCH, PLAN, SELFTEST),
+        "auto, cpu, cuda:0, or cuda:0,cuda:1 (target layers split over the GPUs by the memory plan; a device may repeat: "
+        "cuda:0,cuda:0 is two stages on one GPU; selftest takes one)",
+        default={GEN: "auto", BENCH: "auto", PLAN: None, SELFTEST: "auto"},
+        default_doc={GEN: "auto (cuda:0 if available, else cpu)", BENCH: "auto (cuda:0 if available, else cpu)",
+                     PLAN: "one per --gpu-memory entry, else cuda:0", SELFTEST: "auto (cuda:0 if available, else cpu)"},
+        metavar="LIST", toml_types=(list,)),
+    Opt("max_length", ("--max-length",), int, MODEL + (PLAN,),
+        {GEN: "Length of the state buffers (K/V cache) in tokens", BENCH: "Length of the state buffers (K/V cache) in tokens",
+         PLAN: "State length to plan for, in tokens"},
+        default_doc={GEN: "longest prompt + new tokens + tree + 256", BENCH: "longest prompt + new tokens + tree + 256",
+                     PLAN: "the model's max_position_embeddings"}, metavar="L", min=1),
+    Opt("gpu_memory", ("--gpu-memory",), str, (PLAN,),
+        "Memory per GPU to plan for, on any machine: 2x48GiB, 48GiB,48GiB or 80GB", default_doc="the visible GPUs' total",
+        metavar="SPEC"),
+    Opt("attention", ("--attention",), str, (PLAN,),
+        "The verify's and draft's attention path to plan for: kernel (the split-KV kernel, no mask), math (SDPA's "
+        "dense-mask fallback), fused (cuDNN), auto (what this machine runs)", default="auto", metavar="PATH"),
     Opt("raw", ("--raw",), bool, MODEL, "Send the prompt as is, without the tokenizer's chat template", default=False,
         default_doc="--no-raw", negative="--no-raw"),
     Opt("thinking", ("--thinking",), bool, MODEL, "enable_thinking in the chat template", default=True,

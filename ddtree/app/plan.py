@@ -180,6 +180,7 @@ ROW_LABELS = {
 
 PHASES = {"prefill": "prefill chunk", "context": "drafter context", "verify": "verify", "draft": "draft"}
 ATTENTION_NOTES = {
+    "kernel": "the split-KV attention kernel (no mask tensor; wherever Triton runs)",
     "math": "torch's math SDPA (fp32 K/V for every query head: A6000, A100, any GPU without cuDNN attention)",
     "fused": "a fused SDPA kernel (cuDNN attention: H100, H200)",
 }
@@ -351,12 +352,28 @@ def read_configs(target: str | None, drafter: str | None) -> tuple[TargetConfig,
 # ============================================================================================
 
 
+def default_attention() -> str:
+    """The verify's and draft's attention the engine takes under this environment's options on a
+    CUDA GPU: its split-KV kernel where Triton runs (ddtree.ops.dispatch), else SDPA's."""
+    from ddtree.options import Options
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "math"
+    return "math" if Options.from_env().attention == "sdpa" else "kernel"
+
+
 def attention_path(devices, target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, dtype: Any) -> str:
     """The SDPA path the masked attentions of these models take on these CUDA devices (a verify's,
     Attention.forward with the dense [T, kv_len] mask, and a draft's, DraftAttention.forward):
     'math' if torch picks its math fallback for either the target's or the drafter's head shapes
-    on any of them, else 'fused'. Asked of torch (its backend choice) with tiny tensors on each GPU."""
+    on any of them, else 'fused'. Asked of torch (its backend choice) with tiny tensors on each GPU.
+    'kernel' wherever the engine takes its split-KV attention kernel instead (Triton, not turned off)."""
     import torch
+
+    if default_attention() == "kernel":
+        return "kernel"
 
     from ddtree.model.checkpoint import parse_dtype
 
@@ -463,7 +480,7 @@ def run_plan(opts: dict, gpu_memory: str | None = None, attention: str = "auto",
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise DDTreeError(f"--max-length {max_length!r} must be a positive integer")
     if attention not in ("auto",) + mem.ATTENTION_PATHS:
-        raise DDTreeError(f"unknown --attention {attention!r}: use auto, math or fused")
+        raise DDTreeError(f"unknown --attention {attention!r}: use auto, kernel, math or fused")
     budget = _parse_budget(opts.get("budget", 32))
     if setup is not None:
         setup()
@@ -474,7 +491,7 @@ def run_plan(opts: dict, gpu_memory: str | None = None, attention: str = "auto",
         path = attention_path(devices, t, d, dtype) if attention == "auto" else attention
     else:
         caps, kind = _capacity_map(sizes, list(dict.fromkeys(devices))), "total"
-        path = "math" if attention == "auto" else attention
+        path = default_attention() if attention == "auto" else attention
     plan = plan_memory(t, d, devices, caps, max_len, dtype, attention=path, verify_nodes=_verify_nodes(budget, d),
                        capacity_kind=kind, name=str(opts.get("target")), deferred=budget == "auto" and d is not None)
     print(format_plan(plan), flush=True)

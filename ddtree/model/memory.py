@@ -363,7 +363,20 @@ def drafter_context_bytes(cfg: TargetConfig, d: DrafterConfig, rows: int, dtype)
 #: memory-efficient kernel too (no GQA): it falls to `math` unless cuDNN attention is preferred
 #: (sm90 / sm100 with cuDNN > 9.15), which is `fused` here. RTX A6000 (sm86) and A100 (sm80) take
 #: `math`. (The prefill takes neither: ddtree.ops.attention.prefill_attention has no mask.)
-ATTENTION_PATHS = ("math", "fused")
+#: `kernel`: ddtree.ops.attention.tree_attention (the default wherever Triton runs): no mask at
+#: all, only its split-KV partials.
+ATTENTION_PATHS = ("kernel", "math", "fused")
+
+
+def tree_attention_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: int, sms: int = 132,
+                                   bm: int = 64) -> int:
+    """tree_attention's fp32 partials for T queries over S keys: (NS + 1) x KVH x T*G x (D + 2),
+    NS from its split rule (ddtree.ops.attention.num_splits: about one wave of programs, each
+    split reading at least max(256, 4 T*G) keys, at most 128 splits; none below 2)."""
+    rows = T * (q_heads // kv_heads)
+    tiles = -(-rows // bm)
+    ns = min(-(-sms // (tiles * kv_heads)), S // max(256, 4 * rows), 128)
+    return 0 if ns < 2 else (ns + 1) * kv_heads * rows * (head_dim + 2) * F32
 
 
 def sdpa_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: int, dtype, path: str) -> int:
@@ -378,6 +391,8 @@ def sdpa_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: 
     Checked against the live bytes of torch's math path in tests/model/test_memory.py.
     fused (cuDNN): the additive mask [T, S] and contiguous copies of the k / v views."""
     dt = dtype_bytes(dtype)
+    if path == "kernel":
+        return tree_attention_workspace_bytes(q_heads, kv_heads, head_dim, T, S)
     mask = T * S * dt
     if path == "fused":
         return mask + 2 * S * kv_heads * head_dim * dt

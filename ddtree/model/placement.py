@@ -174,7 +174,8 @@ def _phases(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, start: int
 
     def forward(T: int) -> int:
         attn = mem.sdpa_workspace_bytes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, T, S, dt, wl.attention)
-        return mem.step_mask_bytes(T, S) + mem.activation_bytes(cfg, T) + (attn if has_attn else 0)
+        masks = mem.step_mask_bytes(T, S) if wl.attention != "kernel" else 0  # the kernel takes no [T, S] mask
+        return masks + mem.activation_bytes(cfg, T) + (attn if has_attn else 0)
 
     T = chunk
     taps = mem.taps_bytes(cfg, d, T, dt) if d is not None else 0
