@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.decode.decoder import Decoder, Prefilled  # noqa: E402
-from ddtree.decode.graphs import VerifyKey, bucket  # noqa: E402
+from ddtree.decode.graphs import VerifyKey  # noqa: E402
 from ddtree.decode.sampling import SamplingParams  # noqa: E402
 from ddtree.model.config import TargetConfig  # noqa: E402
 from ddtree.model.presets import PRESETS  # noqa: E402
@@ -147,11 +147,11 @@ def measure_context(dec: Decoder, L: int, sizes, budgets, gen_tokens: int, cfg: 
     for T in sizes:
         slot = dec.slot(T)
         slot.load(random_tree(T, cfg.vocab_size))
-        key = VerifyKey(T, min(bucket(start + T, dec.bucket), dec.max_len), True, True)
+        key = VerifyKey(T, dec.kv_len(start + T), True, True)
         dec.graphs.run(key, lambda: dec._verify(slot, key))
         r["verify_ms"][T] = event_time(lambda: dec.graphs.replay(key))
     bonus = torch.tensor(5, device=dec.target.device)
-    dkey = DraftKey(min(bucket(start + dec.block_size, dec.bucket), dec.max_len), kmax)
+    dkey = DraftKey(dec.kv_len(start + dec.block_size), kmax)
     dec.graphs.run(dkey, lambda: dec.draft_topk(bonus, dkey.kv_len, dkey.k, greedy))
     r["draft_ms"] = event_time(lambda: dec.graphs.replay(dkey))
     # --- rounds

@@ -46,8 +46,9 @@ class BudgetChooser:
     With plain_ms, budget 0 is a candidate too: a plain step (the bonus alone, no drafter), 1
     token per plain_ms + its own fixed part. It wins where trees cannot pay (a small target whose
     step is launch-bound, a drafter that is rarely right). After PLAIN_PROBE plain steps in a row
-    one drafts again (a probe); each probe the chooser answers with another plain step doubles
-    the interval, up to PLAIN_PROBE_MAX, so where trees never pay auto is `ar` plus rare probes.
+    one drafts again (a probe) and the next round verifies that tree (a sample of the acceptance);
+    each sample the chooser answers with another plain step doubles the interval, up to
+    PLAIN_PROBE_MAX, so where trees never pay auto is `ar` plus rare probes.
     """
 
     def __init__(self, verify_ms: dict[int, float], decay: float = 0.9, plain_ms: float | None = None):
@@ -208,7 +209,9 @@ class Auto(Policy):
     A plain step costs what an `ar` step costs: its verify is the bonus alone, its step walks,
     commits and keeps the root's tap row aside ("defer"; the drafter's context gets the deferred
     rows at the next drafting step, "flush"), and writes the chosen token as the next root. Every
-    chooser.probe_every-th plain step in a row drafts again (a probe)."""
+    chooser.probe_every-th plain step in a row drafts again (a probe), and the round after it
+    verifies that tree whatever the chooser thinks: the acceptance ratio only learns from trees
+    verified, so without that sample one bad start would keep auto on plain steps for good."""
 
     chooser: BudgetChooser
     block: int
@@ -218,6 +221,7 @@ class Auto(Policy):
     summary: dict = field(default_factory=dict)  # round -> (E_q per budget, depth per budget) of its tree, or None
     drafted: dict = field(default_factory=dict)  # round -> did its step draft a tree
     plain_run: int = 0  # plain steps in a row
+    sampled: bool = False  # the last tree round was a probe's sample
     t_last: float = 0.0
 
     defers = True
@@ -240,9 +244,15 @@ class Auto(Policy):
         ch = self.chooser
         after_tree = self.drafted[r - 1]
         src = self.staged[r - 1]
-        b = ch.pick_eq(self.latest, cap=src)[0] if after_tree else 0
-        if after_tree and self.plain_run:  # the round after a probe
-            ch.probe_answered(b)
+        if after_tree and self.plain_run:  # the round after a probe verifies its tree: an acceptance sample
+            b, self.sampled = src, True
+        elif after_tree:
+            b = ch.pick_eq(self.latest, cap=src)[0]
+            if self.sampled:  # the choice after that sample: another plain step backs the probes off
+                ch.probe_answered(b)
+                self.sampled = False
+        else:
+            b = 0
         plain = b == 0
         self.plain_run = self.plain_run + 1 if plain else 0
         drafting = not plain or self.plain_run % ch.probe_every == 0

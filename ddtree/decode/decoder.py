@@ -118,6 +118,16 @@ class Decoder:
     def block_size(self) -> int:
         return self.drafter.cfg.block_size if self.drafter is not None else 1
 
+    def kv_len(self, n: int) -> int:
+        """The context bound of a graph key for n visible positions. The dense-mask twin pays for
+        every row of its [T, kv_len] mask, so its bound is n in steps of `bucket`; the attention
+        kernel reads only up to the true length (the bound sizes its grid), so it takes powers of
+        two: far fewer graph keys as a generation crosses lengths, so fewer captures mid-run."""
+        b = bucket(n, self.bucket)
+        if self.kernels.attention == "kernel":
+            b = max(b, 1 << (n - 1).bit_length())
+        return min(b, self.max_len)
+
     # ------------------------------------------------------------------ static slots
     def slot(self, T: int) -> Slot:
         """The tree slot of T nodes a verify reads."""
@@ -243,7 +253,7 @@ class Decoder:
         """Time one verify per candidate budget on the live state (a verify commits nothing); once
         per context bucket and decoder (the cost does not depend on the tokens)."""
         dev = self.target.device
-        key = (min(bucket(start + max(AUTO_BUDGETS) + 1, self.bucket), self.max_len), greedy,
+        key = (self.kv_len(start + max(AUTO_BUDGETS) + 1), greedy,
                start + max(AUTO_BUDGETS) + 1 + self.block_size > self.max_len)
         if key not in self._verify_cost:
             verify_ms = {}
@@ -253,7 +263,7 @@ class Decoder:
                     continue
                 slot = self.slot(T)
                 slot.load(Tree.chain(torch.zeros(T, dtype=torch.long)))
-                vkey = VerifyKey(T, min(bucket(start + T, self.bucket), self.max_len), greedy, True)
+                vkey = VerifyKey(T, self.kv_len(start + T), greedy, True)
                 fn = lambda: self.graphs.run(vkey, lambda: self._verify(slot, vkey))  # noqa: E731
                 fn()  # (captured on first use)
                 times = []
@@ -348,7 +358,7 @@ class Decoder:
         draft = None
         if taps_on:
             k = job.k
-            lp, ids = self.draft_topk(bonus_d, min(bucket(len(prompt_ids), self.bucket), self.max_len), k, job.sampling)
+            lp, ids = self.draft_topk(bonus_d, self.kv_len(len(prompt_ids)), k, job.sampling)
             host = torch.cat([bonus_d.view(1).float(), lp.flatten(), ids.flatten().float()]).cpu().numpy()
             D = lp.shape[0]
             draft = Draft(int(host[0]), host[1 : 1 + D * k].reshape(D, k), host[1 + D * k :].reshape(D, k).astype(np.int64))

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ddtree.decode.budget import BudgetChooser
-from ddtree.decode.graphs import HostCommitKey, HostDraftKey, bucket
+from ddtree.decode.graphs import HostCommitKey, HostDraftKey
 from ddtree.decode.round import emit
 from ddtree.ops.tree import Tree, build_tree
 from ddtree.stats import RoundRecord
@@ -84,8 +84,8 @@ def run_host_rounds(dec, method: str, budget: int, draft: Draft | None, chooser:
         slot = dec.slot(T)
         slot.load(tree)
         host_tree_ms = (time.perf_counter() - h0) * 1e3
-        kv_len = min(bucket(start + T, dec.bucket), dec.max_len)
-        draft_kv = min(bucket(start + P, dec.bucket), dec.max_len)
+        kv_len = dec.kv_len(start + T)
+        draft_kv = dec.kv_len(start + P)
         # ---------------- verify (+ choice), then walk and draft the next block
         e0 = clock.now()
         vkey, taps = dec.verify(slot, kv_len, sampling, gen, taps_on)

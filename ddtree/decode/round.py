@@ -28,7 +28,7 @@ import torch
 
 from ddtree.decode.budget import PLAIN_PROBE_MAX, Plan, Policy, auto_summary
 from ddtree.decode.buffers import HostRing, Packet
-from ddtree.decode.graphs import PrefixKey, StepKey, bucket
+from ddtree.decode.graphs import PrefixKey, StepKey
 from ddtree.stats import RoundRecord
 
 
@@ -120,8 +120,8 @@ class Pipeline:
             slot.device_written()
             dec.graphs.run(PrefixKey(slot.T, src.T - 1), lambda: slot.copy_prefix_(src))
         sizes[r] = slot.T
-        kv_len = min(bucket(start_bound + slot.T, dec.bucket), dec.max_len)
-        draft_kv = min(bucket(start_bound + self.policy.P, dec.bucket), dec.max_len)
+        kv_len = dec.kv_len(start_bound + slot.T)
+        draft_kv = dec.kv_len(start_bound + self.policy.P)
         e0 = clock.now()
         vkey, taps = dec.verify(slot, kv_len, self.sampling, self.gen, self.policy.taps)
         e1 = clock.now()

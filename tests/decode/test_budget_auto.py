@@ -144,7 +144,7 @@ def test_auto_plain_steps_are_exact(kind):
 
 
 def test_probe_interval_doubles_when_probes_do_not_pay():
-    """After a probe the chooser answers with another plain step: the interval doubles up to
+    """After a probe's sample the chooser answers with another plain step: the interval doubles up to
     PLAIN_PROBE_MAX; a tree chosen after a probe resets it."""
     from ddtree.decode.budget import PLAIN_PROBE, PLAIN_PROBE_MAX
 
@@ -186,3 +186,34 @@ def test_deferred_context_rows_land_where_immediate_ones_would(kind):
     for (k, v), layer in zip(got, d.layers):
         for a, b in ((k, layer.self_attn.k_cache[:n]), (v, layer.self_attn.v_cache[:n])):
             assert (a - b).abs().max() <= 1e-4 * b.abs().max(), kind
+
+
+def test_a_probe_is_answered_by_a_verified_tree_and_backs_off():
+    """A chooser that never wants a tree still gets an acceptance sample after every probe (the
+    round after it verifies the probe's tree), and each plain answer doubles the probe interval:
+    the plain runs between sampled trees grow 3, 6, 12, ...; tokens equal ar's."""
+    from ddtree.decode.budget import BudgetChooser as Base
+
+    class NeverTrees(Base):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.probe_every = 3
+
+        def pick_eq(self, eq, cap=None):
+            return 0, 0.0
+
+    dec, _ = build_random_pair("hybrid", seed=7)
+    dec.chooser_class = NeverTrees
+    prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    ar = dec.generate(prompt, "ar", max_new_tokens=60).token_ids
+    rec = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=60)
+    assert rec.token_ids == ar
+    sizes = [r.tree_size for r in rec.rounds]
+    runs, run = [], 0
+    for s in sizes:  # (round 0 too: the chooser picks it from the prefill's tree, and this one picks plain)
+        if s == 0:
+            run += 1
+        else:
+            runs.append(run)
+            run = 0
+    assert runs[:3] == [3, 6, 12], sizes
