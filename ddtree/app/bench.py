@@ -107,7 +107,7 @@ def parse_device_list(devices: Any) -> list[torch.device]:
     for d in devs:
         if d.type not in ("cpu", "cuda"):
             raise DDTreeError(f"unsupported device {str(d)!r} in --devices: use cpu or cuda:N (e.g. cuda:0,cuda:1)")
-    if len(devs) > 1 and any(d.type == "cpu" for d in devs):
+    if len({d.type for d in devs}) > 1:  # repeats are stages on one device (cpu,cpu; cuda:0,cuda:0)
         raise DDTreeError("--devices mixes cpu with other devices: pass cpu alone, or cuda devices only")
     return devs
 
@@ -266,13 +266,14 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
     stage("loading the target")
     logger.info(f"loading target {spec.target_ref} ({str(spec.dtype).replace('torch.', '')}, {dev_names}, max length {max_len})")
     target, _ = load_target(str(spec.target_dir), spec.devices, spec.dtype, max_len,
-                            layer_devices=split.layer_devices if split else None)
+                            layer_stages=split.layer_stages if split else None)
     drafter = None
     if with_drafter and spec.drafter_dir is not None:
         stage("loading the drafter")
         logger.info(f"loading drafter {spec.drafter_ref} (block size {spec.block_size})")
         drafter, _ = load_drafter(str(spec.drafter_dir), target, spec.dtype, max_len,
-                                  device=split.drafter_device if split else None)
+                                  device=split.drafter_device if split else None,
+                                  stage=split.drafter_stage if split else None)
     return Loaded(spec=spec, decoder=Decoder(target, drafter, max_len=max_len, options=Options.from_env()), max_len=max_len)
 
 

@@ -9,6 +9,7 @@ only: nothing here allocates or imports torch.
 
     split = place(cfg, drafter_cfg, ["cuda:0", "cuda:1"], Workload(max_len=131072), capacities)
     split.layer_devices   # one entry of devices per layer
+    split.layer_stages    # one stage index per layer (what tells two stages on one GPU apart)
     split.drafter_device  # an entry of devices, or None without a drafter
 """
 
@@ -192,6 +193,10 @@ class Split:
         return [self.devices[j] for j, s in enumerate(self.stages) for _ in range(s.start, s.end)]
 
     @property
+    def layer_stages(self) -> list[int]:
+        return [j for j, s in enumerate(self.stages) for _ in range(s.start, s.end)]
+
+    @property
     def drafter_device(self):
         return None if self.drafter_stage is None else self.devices[self.drafter_stage]
 
@@ -355,7 +360,14 @@ def place(cfg: TargetConfig, d: DrafterConfig | None, devices: Sequence[Any], wl
 def split_layers(cfg: TargetConfig, devices: Sequence[Any], max_len: int = 4096, dtype: Any = "bfloat16",
                  drafter_cfg: DrafterConfig | None = None, capacities: dict[str, int] | None = None) -> list[Any]:
     """One entry of `devices` per layer: contiguous layers per device, reads balanced (see place)."""
+    stages = split_stages(cfg, devices, max_len, dtype, drafter_cfg, capacities)
+    return [devices[j] for j in stages]
+
+
+def split_stages(cfg: TargetConfig, devices: Sequence[Any], max_len: int = 4096, dtype: Any = "bfloat16",
+                 drafter_cfg: DrafterConfig | None = None, capacities: dict[str, int] | None = None) -> list[int]:
+    """One stage index (an entry of `devices`, which may repeat) per layer: contiguous, reads balanced."""
     if len(devices) == 1:
-        return [devices[0]] * cfg.num_layers
-    return place(cfg, drafter_cfg, devices, Workload(max_len=max_len, dtype=dtype), capacities).layer_devices
+        return [0] * cfg.num_layers
+    return place(cfg, drafter_cfg, devices, Workload(max_len=max_len, dtype=dtype), capacities).layer_stages
 
