@@ -82,9 +82,10 @@ class Decoder:
     """Runs `ar`, `dflash` or `ddtree` on a loaded target (+ drafter); see the module docstring.
 
     options: the engine switches (ddtree.options; default: Options()). use_graphs: CUDA graphs
-    (default: for a one-stage target on CUDA). compile: compiled layers (default: where rounds are
-    graphed or split over GPUs, unless options.compile is off). bucket: context-length granularity
-    of the graph keys."""
+    (default: on CUDA; a split target's pieces are captured as one segment per stage visit, and
+    use_graphs=False keeps the eager split, their twin). compile: compiled layers (default: where
+    rounds are graphed or split over GPUs, unless options.compile is off). bucket: context-length
+    granularity of the graph keys."""
 
     chooser_class = BudgetChooser  # --budget auto's cost model (tests substitute a forced one)
 
@@ -97,8 +98,8 @@ class Decoder:
         self.home = target.home  # the stage of the slots, the walk and the packet (the lm_head's)
         dev = self.device = target.out_device
         cuda = all(st.device.type == "cuda" for st in target.stages)
-        # One CUDA graph cannot span stages: a split runs eagerly.
-        self.use_graphs = (cuda and len(target.stages) == 1) if use_graphs is None else use_graphs
+        # A split's pieces are graphed in segments, one per stage visit (ddtree.decode.graphs).
+        self.use_graphs = (dev.type == "cuda" and cuda) if use_graphs is None else use_graphs
         self.bucket = bucket
         # Compiled layers wherever rounds are graphed, and for an eager split over GPUs (fewer,
         # fused kernels keep the host ahead of the GPUs).
