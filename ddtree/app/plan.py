@@ -201,7 +201,8 @@ def format_plan(plan: MemoryPlan) -> str:
             + (f" + {d.num_layers}-layer DFlash drafter" if d else "")
             + f", {str(wl.dtype).replace('torch.', '')}, --max-length {wl.max_len}",
             f"attention: {ATTENTION_NOTES[wl.attention]}; "
-            + ("CUDA graphs (one GPU)" if graphs_on(wl, split.devices) else "no CUDA graphs (a layer split)")
+            + (("CUDA graphs" + (" in segments (one per stage visit)" if len(split.devices) > 1 else ""))
+               if graphs_on(wl, split.devices) else "no CUDA graphs")
             + f"; verify of {wl.verify_nodes} nodes, prefill chunks of {min(wl.prefill_chunk, wl.tree_capacity)}",
             "rows are exact but for ~ (estimates)"]
     table: list[list[str]] = [[""] + gpus, ["layers"] + [_ranges(split, g) for g in gpus]]

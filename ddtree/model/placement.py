@@ -34,7 +34,7 @@ class Workload:
     tree_capacity: int = 256  # nodes one target forward may hold (TargetModel.allocate_state's default)
     prefill_chunk: int = 256  # Decoder.generate's prefill chunk on CUDA (capped by tree_capacity)
     verify_nodes: int = 33  # nodes of the largest tree verified (budget + root; --budget 32 by default)
-    graphs: bool | None = None  # CUDA graphs: None = when every stage is on one GPU (Decoder's rule)
+    graphs: bool | None = None  # CUDA graphs: None = on (the Decoder's rule: a split is graphed in segments)
     graph_buckets: int = 2  # context buckets whose captured graphs are alive at once (see gpu_rows)
     workspace: int = GiB  # per GPU: cuBLAS / cuDNN workspaces, Triton and inductor kernel images
     slack: float = 0.02  # per GPU, of everything else: allocator rounding and fragmentation
@@ -48,8 +48,9 @@ def gpu_of(device: str) -> str:
 
 
 def graphs_on(wl: Workload, devices: Sequence[Any]) -> bool:
-    """Whether rounds run as CUDA graphs: as the Decoder decides, when every stage is on one GPU."""
-    return wl.graphs if wl.graphs is not None else len({gpu_of(x) for x in devices}) == 1
+    """Whether rounds run as CUDA graphs: as the Decoder decides, on CUDA devices (a split's
+    pieces are graphed in segments, one per stage visit, each GPU holding its segments' pools)."""
+    return wl.graphs if wl.graphs is not None else all(gpu_of(x).startswith("cuda") for x in devices)
 
 
 # ============================================================================================

@@ -1,12 +1,14 @@
 """The memory plan (ddtree.app.plan) on the exact Qwen3.6-27B + DFlash configs, `ddtree plan`, and
 the check `generate` / `bench` run before loading. CPU only, configs only.
 
-Figures these tests state (bf16, --budget 32, CUDA context and workspace reserved):
+Figures these tests state (bf16, --budget 32, CUDA context and workspace reserved; a split is
+graphed in segments, so every GPU holds CUDA-graph pools):
   2 x 48 GiB, an attention kernel that takes the mask with GQA (cuDNN: H100/H200): 128K fits,
-    up to --max-length 199680.
+    up to --max-length 171008.
   2 x 48 GiB, torch's math SDPA fallback (what an RTX A6000 runs today): 128K does not fit;
-    up to 93184 (the fp32 K/V expanded to the query heads and the [h, T, S] scores of a prefill
-    chunk take ~17 GiB per GPU at 128K).
+    up to 43008 (the fp32 K/V expanded to the query heads and the [h, T, S] scores of a prefill
+    chunk take ~17 GiB per GPU at 128K, and the graph pools hold a verify's and a draft's for two
+    context buckets).
   1 x 80 GB (74.5 GiB): up to 30720 with the math path, 86016 with a fused one.
   2 x 24 GB: the weights alone (53.33 GiB) do not fit; 4 such GPUs hold 32K.
 """
@@ -61,7 +63,7 @@ def test_weights_of_the_27b_pair():
 def test_2x48gib_fits_128k_with_a_fused_attention_kernel():
     plan = qplan("2x48GiB", 131072, "fused")
     check_fits(plan)
-    assert plan.fits and plan.largest == 199680  # how far it fits: 1.52x the 128K asked for
+    assert plan.fits and plan.largest == 171008  # how far it fits: 1.30x the 128K asked for
     split = plan.split
     assert split.drafter_device == "cuda:1"
     assert split.stages[0].start == 0 and split.stages[1].end == T.num_layers
@@ -70,18 +72,19 @@ def test_2x48gib_fits_128k_with_a_fused_attention_kernel():
     # the K/V of 128K: 16 attention layers x 131072 x 4 heads x 256 x 2 (K, V) x 2 bytes = 8 GiB
     assert sum(r["K/V cache"] for r in split.gpus.values()) == 8 * GiB
     # the bound found is the boundary: one step further does not fit
-    over = place(T, D, ["cuda:0", "cuda:1"], Workload(**{**split.workload.__dict__, "max_len": 199680 + 1024}),
+    over = place(T, D, ["cuda:0", "cuda:1"], Workload(**{**split.workload.__dict__, "max_len": 171008 + 1024}),
                  plan.capacities)
     assert not over.fits
 
 
-def test_2x48gib_with_the_math_sdpa_path_refuses_128k_and_names_93184():
+def test_2x48gib_with_the_math_sdpa_path_refuses_128k_and_names_43008():
     plan = qplan("2x48GiB", 131072, "math")
-    assert not plan.fits and plan.largest == 93184
+    assert not plan.fits and plan.largest == 43008
+    assert all(rows["graph pools"] > 0 for rows in plan.split.gpus.values())  # graphed segments on both GPUs
     msg = error_of(plan)
     assert msg.startswith(f"{NAME} at --max-length 131072 needs ")
-    assert "the largest --max-length that fits these devices is 93184" in msg and "--max-length 93184" in msg
-    check_fits(qplan("2x48GiB", 93184, "math", search=False))
+    assert "the largest --max-length that fits these devices is 43008" in msg and "--max-length 43008" in msg
+    check_fits(qplan("2x48GiB", 43008, "math", search=False))
 
 
 def test_1x80gb():
@@ -118,7 +121,7 @@ def test_format_plan_table():
     assert kv[2:] == [f"{n / 2:.2f}" if i % 2 == 0 else "GiB" for n in n_attn for i in range(2)]  # 0.5 GiB a layer
     layers = next(ln for ln in lines if ln.startswith("layers")).split()
     assert layers[1:] == [f"{s.start}-{s.end - 1}" for s in plan.split.stages]
-    assert lines[-1].startswith("fits: ") and "the largest --max-length that fits is 199680 (1.52x the requested 131072)" in lines[-1]
+    assert lines[-1].startswith("fits: ") and "the largest --max-length that fits is 171008 (1.30x the requested 131072)" in lines[-1]
 
 
 @pytest.mark.parametrize("spec,sizes", [("2x48GiB", [48 * GiB] * 2), ("48GiB,48GiB", [48 * GiB] * 2),
@@ -162,7 +165,7 @@ def test_cli_plan_prints_the_table(models):
                "--max-length", 131072, "--attention", "fused")
     assert r.exit_code == 0, r.stderr
     assert "cuda:0" in r.stdout and "cuda:1" in r.stdout and "K/V cache" in r.stdout and "free after" in r.stdout
-    assert "the largest --max-length that fits is 199680" in r.stdout
+    assert "the largest --max-length that fits is 171008" in r.stdout
     assert r.stderr.strip() == ""
 
 
@@ -171,12 +174,12 @@ def test_cli_plan_that_does_not_fit(models):
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
                "--max-length", 131072, "--attention", "math")
     line = one_error_line(r)
-    assert "the largest --max-length that fits these devices is 93184" in line
+    assert "the largest --max-length that fits these devices is 43008" in line
     assert "K/V cache" in r.stdout and "does not fit" in r.stdout
 
 
 def test_cli_plan_defaults_to_the_models_max_positions(models):
-    r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "8x80GB")
+    r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "8x141GB")
     assert r.exit_code == 0, r.stderr
     assert "--max-length 262144" in r.stdout.splitlines()[0]
     assert "the model's maximum" in r.stdout
