@@ -148,7 +148,18 @@ class Segments:
             torch.cuda.current_stream(dev).wait_event(prev.done)
 
 
-class _StageStreams:
+class _Hook:
+    """What the warm-up and the capture share: which hand-overs are copies."""
+
+    streams: list
+
+    def crosses(self, t: torch.Tensor, j: int, boundary: bool) -> bool:
+        """Is handing t to stage j a copy? Across devices (a tensor on j's device is read in place;
+        `boundary`: this enter starts j's segment)."""
+        return t.device != self.streams[j].device
+
+
+class _StageStreams(_Hook):
     """Runs a piece eagerly on the stages' own streams (the warm-up before a capture: allocator,
     cuBLAS workspaces per stream, compiling), with the ordering of a replay. Cross-device
     hand-overs are fresh copies, kept in order: the capture takes them as its buffers."""
@@ -159,7 +170,8 @@ class _StageStreams:
         self.cur, self._ctx, self._last = None, None, None
 
     def enter(self, j: int, tensors) -> list:
-        if j != self.cur:
+        boundary = j != self.cur
+        if boundary:
             self._leave()
             s = self.streams[j]
             if self._last is None:
@@ -170,13 +182,13 @@ class _StageStreams:
             self._ctx = torch.cuda.stream(s)
             self._ctx.__enter__()
             self.cur = j
-        return [self._hand(j, t) for t in tensors]
+        return [self._hand(j, t, boundary) for t in tensors]
 
-    def _hand(self, j: int, t):
-        dev = self.streams[j].device
-        if t is None or t.device == dev:
+    def _hand(self, j: int, t, boundary: bool):
+        if t is None or not self.crosses(t, j, boundary):
             return t
-        buf = t.to(dev, non_blocking=True)
+        buf = torch.empty_like(t, device=self.streams[j].device)
+        buf.copy_(t, non_blocking=True)
         self.buffers.append(buf)
         return buf
 
@@ -194,7 +206,7 @@ class _StageStreams:
                 torch.cuda.current_stream(dev).wait_event(self._last)
 
 
-class _SegmentCapture:
+class _SegmentCapture(_Hook):
     """Captures a piece as one graph per stage visit (see the module docstring). Cross-device
     hand-overs take the warm-up's buffers in order (same shapes, checked)."""
 
@@ -205,7 +217,8 @@ class _SegmentCapture:
         self.cur, self._ctx, self._i = None, None, 0
 
     def enter(self, j: int, tensors) -> list:
-        if j != self.cur:
+        boundary = j != self.cur
+        if boundary:
             self._end()
             s = self.streams[j]
             g = torch.cuda.CUDAGraph()
@@ -217,13 +230,13 @@ class _SegmentCapture:
             self._ctx = torch.cuda.graph(g, pool=pool, stream=s)
             self._ctx.__enter__()
             self.cur = j
-        return [self._hand(j, t) for t in tensors]
+        return [self._hand(j, t, boundary) for t in tensors]
 
-    def _hand(self, j: int, t):
+    def _hand(self, j: int, t, boundary: bool):
         if t is None:
             return t
         seg = self.segments[-1]
-        if t.device == self.streams[j].device:
+        if not self.crosses(t, j, boundary):
             seg.keep.append(t)  # read in place by this segment's graph: it must outlive the capture
             return t
         if self._i >= len(self.buffers):

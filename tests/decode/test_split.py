@@ -11,11 +11,14 @@ would be a kernel in the wrong device's graph segment.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ddtree.decode.budget import AUTO_BUDGETS
 from ddtree.decode.decoder import Decoder
 from ddtree.decode.graphs import HostCommitKey, HostDraftKey, PrefixKey, StepKey, VerifyKey
 from ddtree.model.stages import StageHook
@@ -144,8 +147,25 @@ class StageAudit(TorchDispatchMode):
             self.owner[p] = frozenset(stages)
 
     def register(self):
-        """Every persistent tensor's stage (before each piece: slots and statics appear lazily)."""
+        """Every persistent tensor's stage: the model's once, the decoder's before each piece (its
+        slots and statics appear lazily)."""
         dec, t, d = self.dec, self.dec.target, self.dec.drafter
+        home = t.home
+        if not self.owner:
+            self._register_model()
+        if dec.deferred is not None:
+            for x in _held(dec.deferred):
+                self.own(x, [d.stage])
+        self.own(dec.start_d, [home])
+        for v in dec.statics._bufs.values():
+            for x in (v if isinstance(v, tuple) else (v,)):
+                self.own(x, [home])
+        for slot in list(dec._slots.values()) + list(dec._stages.values()):
+            for x in _held(slot):
+                self.own(x, [home])
+
+    def _register_model(self):
+        t, d = self.dec.target, self.dec.drafter
         home = t.home
         for st in t.stages:
             for layer in t.layers[st.start:st.end]:
@@ -167,16 +187,6 @@ class StageAudit(TorchDispatchMode):
             self.own(x, [home])
         for x in _held(d):
             self.own(x, [d.stage])
-        if dec.deferred is not None:
-            for x in _held(dec.deferred):
-                self.own(x, [d.stage])
-        self.own(dec.start_d, [home])
-        for v in dec.statics._bufs.values():
-            for x in (v if isinstance(v, tuple) else (v,)):
-                self.own(x, [home])
-        for slot in list(dec._slots.values()) + list(dec._stages.values()):
-            for x in _held(slot):
-                self.own(x, [home])
 
     # ---------------------------------------------------------------- pieces and boundaries
     def begin(self, key):
@@ -220,30 +230,53 @@ class StageAudit(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.quiet:
             return out
-        ins = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        in_ptrs = {_ptr(x) for x in ins}
+        ins = {}  # storage -> a tensor on it
+        for x in _tensors_in((args, kwargs)):
+            p = _ptr(x)
+            if p is not None:
+                ins.setdefault(p, x)
         if self.piece is not None:
             if self.stage is None:
                 self.errors.append(f"{self.piece}: {func} before the piece's first boundary")
             elif not func.is_view:
-                for x in ins:
-                    owners = self.owner.get(_ptr(x))
-                    if _ptr(x) is not None and (owners is None or self.stage not in owners):
+                for p, x in ins.items():
+                    owners = self.owner.get(p)
+                    if owners is None or self.stage not in owners:
                         self.errors.append(f"{self.piece}: {func} on stage {self.stage} touches a tensor "
                                            f"{tuple(x.shape)} of {set(owners) if owners else 'unknown'}")
-                schema = func._schema.arguments
-                written = [a for a, s in zip(args, schema) if s.alias_info is not None and s.alias_info.is_write]
-                written += [v for k, v in kwargs.items() if k == "out"]
-                for x in pytree.tree_leaves(written):
-                    if isinstance(x, torch.Tensor) and _ptr(x) in self.readonly:
+                for x in _tensors_in(self._written(func, args, kwargs)):
+                    if _ptr(x) in self.readonly:
                         self.errors.append(f"{self.piece}: {func} writes a handed-over tensor {tuple(x.shape)}")
-        for x in pytree.tree_leaves(out):
-            if isinstance(x, torch.Tensor) and _ptr(x) is not None and _ptr(x) not in in_ptrs:
+        for x in _tensors_in(out):
+            p = _ptr(x)
+            if p is not None and p not in ins:
                 if self.piece is not None and self.stage is not None:
-                    self.owner[_ptr(x)] = frozenset([self.stage])
+                    self.owner[p] = frozenset([self.stage])
                 else:
-                    self.owner.pop(_ptr(x), None)  # made outside pieces: unknown until registered
+                    self.owner.pop(p, None)  # made outside pieces: unknown until registered
         return out
+
+    _writes: dict = {}
+
+    @classmethod
+    def _written(cls, func, args, kwargs) -> list:
+        """The arguments an op writes (in-place and out= ones)."""
+        idx = cls._writes.get(func)
+        if idx is None:
+            idx = cls._writes[func] = [i for i, a in enumerate(func._schema.arguments)
+                                       if a.alias_info is not None and a.alias_info.is_write]
+        return [args[i] for i in idx if i < len(args)] + [v for k, v in kwargs.items() if k == "out"]
+
+
+def _tensors_in(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors_in(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors_in(y)
 
 
 class AuditHook(StageHook):
@@ -305,6 +338,9 @@ def test_pieces_enter_their_stages_and_touch_only_their_tensors(devices, drafter
     dec = Decoder(target, drafter)
     assert drafter.stage == drafter_stage
     N = len(devices)
+    # the forced chooser ignores timings: skip calibrate's timing loops (its verifies are audited elsewhere)
+    dec.calibrate = lambda start, greedy, plain=False: dec.chooser_class({b: 1.0 for b in AUTO_BUDGETS},
+                                                                         plain_ms=1.0 if plain else None)
     audit = audited(dec)
     with audit:
         for method, budget, host in RUNS:
@@ -360,3 +396,141 @@ def test_placement_with_repeated_devices():
     with pytest.raises(ValueError):
         stages_of([torch.device("cpu")] * 4, [0, 1, 0, 1])
     assert [str(d) for d in parse_device_list("cpu,cpu")] == ["cpu", "cpu"]
+
+
+# ----------------------------------------------------------------------------------------------
+# graph segments, emulated on the CPU
+# ----------------------------------------------------------------------------------------------
+
+class FakeGraph:
+    """A CUDA graph's CPU stand-in: its capture records the aten ops that run (views aside: they
+    launch nothing), its replay runs them again on the same tensors and writes each fresh result
+    into the tensor the capture made, as a CUDA graph replays its kernels on the same addresses.
+    No Python of the piece runs at replay, so what a graph would get wrong (state only Python
+    updates, a buffer that is not static, a hand-over copied too early) goes wrong here too."""
+
+    SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+             torch.ops.aten.is_nonzero.default}
+
+    def __init__(self):
+        self.ops: list = []
+        self.mode = None
+
+    def replay(self):
+        for func, args, kwargs, out in self.ops:
+            new = func(*args, **kwargs)
+            for o, n in zip(pytree.tree_leaves(out), pytree.tree_leaves(new)):
+                if isinstance(o, torch.Tensor) and o is not n:
+                    o.copy_(n)
+
+    def capture_end(self):
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+
+class _Record(TorchDispatchMode):
+    def __init__(self, graph: FakeGraph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FakeGraph.SYNCS:
+            raise RuntimeError(f"{func}: a host read of a device value inside a graph capture")
+        out = func(*args, **kwargs)
+        if not func.is_view:
+            self.graph.ops.append((func, args, kwargs, out))
+        return out
+
+
+class FakeGraphCapture:
+    """torch.cuda.graph(g, pool=, stream=) on the CPU."""
+
+    def __init__(self, cuda_graph: FakeGraph, pool=None, stream=None, **kw):
+        self.cuda_graph, self.stream_ctx = cuda_graph, contextlib.nullcontext()
+
+    def __enter__(self):
+        self.cuda_graph.mode = _Record(self.cuda_graph)
+        self.cuda_graph.mode.__enter__()
+
+    def __exit__(self, *exc):
+        self.cuda_graph.capture_end()
+
+
+class FakeStream:
+    def __init__(self, device=None, **kw):
+        self.device = torch.device(device or "cpu")
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
+class FakeEvent:
+    def __init__(self, **kw):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """torch.cuda's graph, stream and event API emulated on the CPU; every tensor a boundary hands
+    over is copied into a buffer before the consuming segment, as between two devices."""
+    from ddtree.decode import graphs
+
+    for name, obj in (("CUDAGraph", FakeGraph), ("graph", FakeGraphCapture), ("Stream", FakeStream),
+                      ("Event", FakeEvent), ("stream", lambda s=None: contextlib.nullcontext()),
+                      ("current_stream", lambda device=None: FakeStream(device)),
+                      ("graph_pool_handle", lambda: object())):
+        monkeypatch.setattr(torch.cuda, name, obj)
+    monkeypatch.setattr(graphs._Hook, "crosses", lambda self, t, j, boundary: boundary)
+    return graphs
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["1 stage", "2 stages"])
+def test_graphed_rounds_replay_like_eager(devices, cpu_graphs, one_stage):
+    """Every method's rounds through the graph runner (capture once per key, then replays): the
+    eager one-stage run's tokens and committed states, for one graph per piece (one stage) and for
+    segments with their hand-over copies (two stages: 2 segments per verify, 3 per step, ...)."""
+    dec = Decoder(*_pair(devices), use_graphs=True, compile=False)
+    for method, budget, host in RUNS:
+        rec = _generate(dec, method, budget, host)
+        tokens, state = one_stage[method, budget, host]
+        assert rec.token_ids == tokens, (method, budget, host)
+        got = committed_state(dec)
+        for k, v in state.items():
+            assert torch.equal(got[k], v), (method, budget, host, k)
+    graphs = dec.graphs._graphs
+    if len(devices) == 1:
+        assert graphs and all(isinstance(g, FakeGraph) and g.ops for g in graphs.values())
+        return
+    kinds = {}
+    for key, g in graphs.items():
+        assert isinstance(g, cpu_graphs.Segments) and all(s.graph.ops for s in g.segments), key  # none empty
+        kinds.setdefault(type(key).__name__, set()).add(len(g))
+        assert all(s.pulls for s in g.segments[1:]), key  # every boundary copies what it hands over
+    assert kinds == {"VerifyKey": {2}, "StepKey": {3}, "PrefixKey": {1}, "HostDraftKey": {3}, "HostCommitKey": {2}}
+
+
+def test_graphed_split_without_its_copies_goes_wrong(cpu_graphs, one_stage, monkeypatch):
+    """The control: segments replayed without the copies before them read the warm-up's values."""
+    from ddtree.decode.graphs import GraphRunner
+
+    capture = GraphRunner._capture_segments
+
+    def without_copies(self, key, fn, keep):
+        capture(self, key, fn, keep)
+        for seg in self._graphs[key].segments:
+            seg.pulls.clear()
+
+    monkeypatch.setattr(GraphRunner, "_capture_segments", without_copies)
+    dec = Decoder(*_pair(["cpu", "cpu"]), use_graphs=True, compile=False)
+    assert _generate(dec, "ar", 1, False).token_ids != one_stage["ar", 1, False][0]
