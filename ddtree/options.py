@@ -15,6 +15,7 @@ package reads the environment for these.
     attention        DDTREE_ATTENTION         auto      tree / decode attention: auto (the split-KV kernel where it runs), kernel, sdpa (dense-mask twin)
     fla              DDTREE_NO_FLA=1          on        flash-linear-attention's chunk kernel for prefill (when installed)
     host_rounds      DDTREE_HOST_ROUNDS=1     off       the host-tree round loop (the reference twin of the device pipeline)
+    split_graphs     DDTREE_SPLIT_GRAPHS=1    off       a layer split's rounds as CUDA graph segments, one per stage visit (experimental)
     tp_symm          DDTREE_TP_SYMM           0         --tp all-reduces through symmetric memory: 0, 1 (if it sets up), require (experimental)
     tp_start         DDTREE_TP_START          forkserver  how --tp starts its worker processes: forkserver or spawn
     triton_on_cpu    DDTREE_TRITON_ON_CPU=1   off       run the Triton kernels on CPU tensors under Triton's interpreter (tests)
@@ -81,6 +82,8 @@ class Options:
                         _off_when_set, default=True)
     host_rounds: bool = _switch("DDTREE_HOST_ROUNDS", "the host-tree round loop (reference twin of the device pipeline)",
                                 _on_when_set, default=False)
+    split_graphs: bool = _switch("DDTREE_SPLIT_GRAPHS", "a layer split's rounds as CUDA graph segments (off: the eager split)",
+                                 _on_when_set, experimental=True, default=False)
     tp_symm: str = _switch("DDTREE_TP_SYMM", "--tp all-reduces through symmetric memory: 0, 1, require",
                            _choice("0", "1", "require"), experimental=True, default="0")
     tp_start: str = _switch("DDTREE_TP_START", "how --tp starts its workers: forkserver or spawn",

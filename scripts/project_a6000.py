@@ -4,12 +4,12 @@
 Nothing here is measured on an A6000: the script turns measured H200 times into A6000 times with
 stated assumptions, and prints them as a labelled projection. It runs on CPU from JSON files:
 
-    python scripts/project_a6000.py results/engine-h200-session7.json results/multigpu-h200x2-session4.json \
+    python scripts/project_a6000.py results/engine-long-h200.json results/multigpu-h200x2.json \
         [results/tp-rank-h200.json] --out results/projection-2xa6000.json
 
 Inputs (recognised by their content; any subset, the engine results are needed):
-  * scripts/bench_engine.py (has "main"): copy_GBps; main.preset; main.ctxN.ar_ms_per_token;
-    main.ctxN.rounds["dflash:15"].round_ms and ["ddtree:B"].round_ms (B = --budget);
+  * scripts/bench_engine.py (has "main"): copy_GBps; main.preset; main.contexts.N.ar_ms (or, in
+    older files, main.ctxN.ar_ms_per_token); its rounds["dflash:15"].round_ms and ["ddtree:B"].round_ms (B = --budget);
     codepair.dflash.accept and codepair["ddtree:B"].accept (the measured acceptance, if present).
   * scripts/bench_tp_rank.py ("kind": "tp_rank"): copy_GBps; world; budget; preset;
     shard.ctxN.{ar_ms_per_token, dflash_round_ms, ddtree_round_ms}; full.ctxN.ar_ms_per_token.
@@ -64,10 +64,18 @@ def load(path: Path) -> dict:
     return json.loads(raw)
 
 
+def engine_contexts(main: dict):
+    """(\"ctxN\", figures) per context of a bench_engine "main" part, in either of its layouts
+    (main.contexts.N, or main.ctxN of older files)."""
+    if isinstance(main.get("contexts"), dict):
+        return [(f"ctx{int(k)}", r) for k, r in main["contexts"].items() if isinstance(r, dict)]
+    return [(k, r) for k, r in main.items() if k.startswith("ctx") and isinstance(r, dict)]
+
+
 def kind_of(doc: dict) -> str | None:
     if doc.get("kind") == "tp_rank":
         return "tp_rank"
-    if isinstance(doc.get("main"), dict) and any(k.startswith("ctx") for k in doc["main"]):
+    if isinstance(doc.get("main"), dict) and (any(k.startswith("ctx") for k in doc["main"]) or "contexts" in doc["main"]):
         return "engine"
     if isinstance(doc.get("results"), dict) and "layer split" in doc["results"]:
         return "split"
@@ -111,11 +119,9 @@ def measurements(docs: dict[str, tuple[Path, dict]], budget: int, notes: list[st
 
     if "engine" in docs:
         path, e = docs["engine"]
-        for key, r in e["main"].items():
-            if not key.startswith("ctx") or not isinstance(r, dict):
-                continue
+        for key, r in engine_contexts(e["main"]):
             ctx, rounds = int(key[3:]), r.get("rounds", {})
-            put("1gpu", "ar", ctx, r.get("ar_ms_per_token"), e.get("copy_GBps"), f"{path.name} {key}")
+            put("1gpu", "ar", ctx, r.get("ar_ms_per_token", r.get("ar_ms")), e.get("copy_GBps"), f"{path.name} {key}")
             df = next((v for k, v in rounds.items() if k.startswith("dflash")), {})
             put("1gpu", "dflash", ctx, df.get("round_ms"), e.get("copy_GBps"), f"{path.name} {key}")
             put("1gpu", "ddtree", ctx, rounds.get(f"ddtree:{budget}", {}).get("round_ms"), e.get("copy_GBps"),
@@ -389,8 +395,11 @@ def main(argv=None):
     bw = a.a6000_GBps * a.copy_fraction
     accept = {"published": {"dflash": a.accept_chain, "ddtree": a.accept_chain * (1 + a.tree_gain)}}
     cp = docs.get("engine", (None, {}))[1].get("codepair") or {}
-    if cp.get("dflash", {}).get("accept"):
-        accept["codepair"] = {"dflash": cp["dflash"]["accept"], "ddtree": cp.get(f"ddtree:{a.budget}", {}).get("accept")}
+    if cp and "dflash" not in cp:  # per drafter and dtype: the first one's
+        cp = next(iter(cp.values()))
+    cp_accept = lambda x: x.get("accept", x.get("tokens_per_forward"))  # noqa: E731 (older files: accept)
+    if cp_accept(cp.get("dflash", {})):
+        accept["codepair"] = {"dflash": cp_accept(cp["dflash"]), "ddtree": cp_accept(cp.get(f"ddtree:{a.budget}", {}))}
     mk_t, mk_d = PRESETS[a.preset]
     res = project(docs, contexts, a.budget, bw, a.link_GBps, accept, mk_t(), mk_d())
     cfg = res["bytes"].cfg

@@ -133,9 +133,11 @@ def test_fla_prefill_matches_torch_path():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (the layer split)")
 def test_layer_split_over_two_gpus_equals_one_gpu():
-    """--devices cuda:0,cuda:1: layers split by weight bytes, eager rounds over compiled layers
-    (activations cross with non-blocking copies) give the one-GPU graphed run's greedy tokens for
-    ar, dflash and ddtree (fixed and auto budgets), in float32 on a random pair with the same weights."""
+    """--devices cuda:0,cuda:1: layers split by weight bytes, graphed in segments (one per stage
+    visit; activations cross with copies between them) and eagerly (the twin: non-blocking copies),
+    both over compiled layers, give the one-GPU graphed run's greedy tokens for ar, dflash and
+    ddtree (fixed and auto budgets), in float32 on a random pair with the same weights
+    (tests/decode/test_split_gpu.py checks the segments themselves)."""
     from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config
 
     raw_t = tiny_hybrid_config(layers=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3
@@ -145,13 +147,16 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
     t2, d2 = build_random_on_devices(raw_t, raw_d, ["cuda:0", "cuda:1"], torch.float32, 512, seed=3)
     assert {str(d) for d in t2.layer_devices} == {"cuda:0", "cuda:1"}
     split = Decoder(t2, d2)
-    assert not split.use_graphs and split.compile, "a split runs eager rounds over compiled layers"
+    assert split.use_graphs and split.compile, "a split runs graphed segments over compiled layers"
+    eager = Decoder(t2, d2, use_graphs=False)
+    assert not eager.use_graphs and eager.compile, "its twin: eager rounds over compiled layers"
     prompt = torch.randint(2, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", "auto")):
         a = one.generate(prompt, method, budget=budget, max_new_tokens=32).token_ids
         b = split.generate(prompt, method, budget=budget, max_new_tokens=32).token_ids
-        assert a == b, (method, budget)
-    assert split.compile, "compiling the split's layers did not fall back"
+        c = eager.generate(prompt, method, budget=budget, max_new_tokens=32).token_ids
+        assert a == b == c, (method, budget)
+    assert split.compile and eager.compile, "compiling the split's layers did not fall back"
 
 
 def test_tree_kernel_up_to_128_nodes_under_graphs_equals_torch_path():

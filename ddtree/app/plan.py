@@ -203,7 +203,8 @@ def format_plan(plan: MemoryPlan) -> str:
             + (f" + {d.num_layers}-layer DFlash drafter" if d else "")
             + f", {str(wl.dtype).replace('torch.', '')}, --max-length {wl.max_len}",
             f"verify / draft attention: {ATTENTION_NOTES[wl.attention]}; verify of {min(wl.verify_nodes, wl.tree_capacity)} "
-            "nodes; " + ("CUDA graphs (one GPU)" if graphs_on(wl, split.devices) else "no CUDA graphs (a layer split)"),
+            "nodes; " + (("CUDA graphs" + (" in segments (one per stage visit)" if len(split.devices) > 1 else ""))
+                         if graphs_on(wl, split.devices) else "no CUDA graphs (the eager split)"),
             f"prefill: chunks of {split.prefill_chunk} tokens"
             + ("" if wl.prefill_chunk is not None else f" (the engine's pick from {gpu_of(split.devices[0])}'s free memory)")
             + ", flash attention, GDN chain through " + ("fla's chunk kernel" if wl.fla else "the torch chunked recurrence")

@@ -133,8 +133,10 @@ def check_devices(devices: Any, one: bool = False) -> None:
     for d in names:
         if not _DEVICE.match(d):
             raise DDTreeError(f"unsupported device {d!r} in --devices: use auto, cpu or cuda:N (e.g. cuda:0,cuda:1)")
-    if len(names) > 1 and ("auto" in names or "cpu" in names):
-        raise DDTreeError("--devices mixes auto or cpu with other devices: pass auto or cpu alone, or cuda devices only")
+    if len(names) > 1 and ("auto" in names or ("cpu" in names and set(names) != {"cpu"})):
+        # repeats are stages on one device (cpu,cpu; cuda:0,cuda:0)
+        raise DDTreeError("--devices mixes auto or cpu with other devices: pass auto or cpu alone (cpu may repeat), "
+                          "or cuda devices only")
     if one and len(names) > 1:
         raise DDTreeError(f"--devices {','.join(names)} names several devices: this command runs on one, e.g. --devices cuda:0")
 
@@ -486,13 +488,14 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
     stage("loading the target")
     logger.info(f"loading target {spec.target_ref} ({spec.dtype_name}, {dev_names}, max length {max_len})")
     target, _ = load_target(str(spec.target_dir), spec.devices, spec.dtype, max_len,
-                            layer_devices=split.layer_devices if split else None)
+                            layer_stages=split.layer_stages if split else None)
     drafter = None
     if with_drafter and spec.drafter_dir is not None:
         stage("loading the drafter")
         logger.info(f"loading drafter {spec.drafter_ref} (block size {spec.block_size})")
         drafter, _ = load_drafter(str(spec.drafter_dir), target, spec.dtype, max_len,
-                                  device=split.drafter_device if split else None)
+                                  device=split.drafter_device if split else None,
+                                  stage=split.drafter_stage if split else None)
     loaded = Loaded(spec=spec, decoder=Decoder(target, drafter, max_len=max_len, options=options), max_len=max_len)
     log_setup(loaded)
     return loaded

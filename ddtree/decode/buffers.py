@@ -138,9 +138,9 @@ class HostRing:
         self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
 
     def put(self, r: int, packet: torch.Tensor):
-        self.bufs[r % 2].copy_(packet, non_blocking=True)
+        self.bufs[r % 2].copy_(packet, non_blocking=True)  # on the packet's device's current stream
         if self.events[r % 2] is not None:
-            self.events[r % 2].record()
+            self.events[r % 2].record(torch.cuda.current_stream(packet.device))
 
     def get(self, r: int) -> list[float]:
         if self.events[r % 2] is not None:

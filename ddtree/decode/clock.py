@@ -12,12 +12,13 @@ class StageClock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device = device  # events go on its current stream: a split's home may not be the current device
         self.marks: list[tuple[str, object, object]] = []
 
     def now(self):
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
-            e.record()
+            e.record(torch.cuda.current_stream(self.device))
             return e
         return time.perf_counter()
 

@@ -5,6 +5,16 @@ policy (ddtree.decode.budget), or the host-tree loop (ddtree.decode.reference, i
 serves --top1-first). This module holds the pieces both call: verify, walk, commit, draft, tree
 build, and the static slots. State lives in buffers allocated once; each piece has fixed shapes
 per graph key (ddtree.decode.graphs), and the committed length lives on the device (`start_d`).
+On a split target (ddtree.model.stages) the slots, the walk, `start_d` and the packet live on the
+home stage (the last: the lm_head's), and each piece calls `target.enter` at its stage boundaries:
+
+    verify        stage 0, 1, .., last (the embedding first; logits, the greedy choice at home)
+    step          home (walk) -> 0 (commit, the draft block's embedding) -> .. -> last (commit,
+                  start_d, drafter context and draft when the drafter is there, next tree, packet)
+    host draft    home (walk) -> drafter (context) -> 0 (block embedding) -> drafter (draft) -> home
+                  (packet); ar: the step's order
+    host commit   0 -> .. -> last
+    prefix copy   home
 """
 
 from __future__ import annotations
@@ -72,9 +82,10 @@ class Decoder:
     """Runs `ar`, `dflash` or `ddtree` on a loaded target (+ drafter); see the module docstring.
 
     options: the engine switches (ddtree.options; default: Options()). use_graphs: CUDA graphs
-    (default: on a single GPU). compile: compiled layers (default: where rounds are graphed or
-    split over GPUs, unless options.compile is off). bucket: context-length granularity of the
-    graph keys."""
+    (default: on CUDA; a split target's pieces are captured as one segment per stage visit, and
+    use_graphs=False keeps the eager split, their twin). compile: compiled layers (default: where
+    rounds are graphed or split over GPUs, unless options.compile is off). bucket: context-length
+    granularity of the graph keys."""
 
     chooser_class = BudgetChooser  # --budget auto's cost model (tests substitute a forced one)
 
@@ -84,18 +95,21 @@ class Decoder:
         self.target, self.drafter = target, drafter
         self.max_len = max_len or target.max_len
         self.options = options or Options()
-        dev = target.device
-        # One CUDA graph cannot span devices: a layer split runs eagerly.
-        single = len({d for d in target.layer_devices} | {target.out_device}) == 1
-        self.use_graphs = (dev.type == "cuda" and single) if use_graphs is None else use_graphs
+        self.home = target.home  # the stage of the slots, the walk and the packet (the lm_head's)
+        dev = self.device = target.out_device
+        cuda = all(st.device.type == "cuda" for st in target.stages)
+        # A split's pieces are graphed in segments, one per stage visit (ddtree.decode.graphs), when
+        # options.split_graphs: opt-in until it is measured on GPUs; its twin, the eager split, is the default.
+        split = len(target.stages) > 1
+        self.use_graphs = (cuda and (not split or self.options.split_graphs)) if use_graphs is None else use_graphs
         self.bucket = bucket
-        # Compiled layers wherever rounds are graphed, and for a layer split over GPUs (no graphs
-        # there: fewer, fused kernels keep the host ahead of the GPUs).
+        # Compiled layers wherever rounds are graphed, and for an eager split over GPUs (fewer,
+        # fused kernels keep the host ahead of the GPUs).
         if compile is None:
-            compile = self.options.compile and (self.use_graphs or (dev.type == "cuda" and not single))
+            compile = self.options.compile and (self.use_graphs or (cuda and len(target.stages) > 1))
         self.compile = compile
         target.use(self.options)
-        self.kernels: Kernels = target.kernels[dev]
+        self.kernels: Kernels = target.kernels[self.home]
         self.tree_kernel_ok = True  # False after the Triton tree kernel failed once (torch ops then)
         self.start_d = torch.zeros((), dtype=torch.long, device=dev)
         self.statics = Statics(dev)
@@ -108,7 +122,8 @@ class Decoder:
                                   log=lambda m: _log().debug(m))
         if drafter is not None:
             target.tap_layers = list(drafter.cfg.target_layer_ids)
-            drafter.attach(target.embed_tokens, target.lm_head)
+            drafter.attach(target.embed_tokens, target.lm_head, target.enter, _drafter_stage(target, drafter),
+                           0, target.home)
             drafter.gather_logits = target.gather_logits
             hd = drafter.cfg.head_dim
             kn = resolve(self.options, drafter.device)
@@ -128,17 +143,21 @@ class Decoder:
             b = max(b, 1 << (n - 1).bit_length())
         return min(b, self.max_len)
 
+    @property
+    def split(self) -> bool:
+        return len(self.target.stages) > 1
+
     # ------------------------------------------------------------------ static slots
     def slot(self, T: int) -> Slot:
         """The tree slot of T nodes a verify reads."""
         if T not in self._slots:
-            self._slots[T] = Slot(T, self.target.device)
+            self._slots[T] = Slot(T, self.device)
         return self._slots[T]
 
     def stage(self, T: int) -> Slot:
         """--budget auto's staged tree of T nodes: never verified itself, only copied from."""
         if T not in self._stages:
-            s = self._stages[T] = Slot(T, self.target.device)
+            s = self._stages[T] = Slot(T, self.device)
             # a valid tree from the start (its root's parent is the committed prefix, -1)
             s.load(Tree.chain(torch.zeros(T, dtype=torch.long)))
             s.device_written()
@@ -155,10 +174,11 @@ class Decoder:
         return key, tap
 
     def _verify(self, slot: Slot, key: VerifyKey):
-        start = self.start_d
-        logits, tap = self.target.forward(slot.tokens, start + slot.depths, slot.mask, slot.parents, start,
-                                          key.kv_len, want_taps=key.taps)
-        if key.greedy:
+        tgt = self.target
+        tokens, depths, start = tgt.enter(0, slot.tokens, slot.depths, self.start_d)  # the positions on stage 0
+        logits, tap = tgt.forward(tokens, start + depths, slot.mask, slot.parents, start, key.kv_len,
+                                  want_taps=key.taps)
+        if key.greedy:  # the forward ends on the last stage: home
             slot.choice.copy_(logits.argmax(-1))
         return logits, tap
 
@@ -166,6 +186,7 @@ class Decoder:
         """The accepted path of slot's verified tree, into the static walk buffers (at most P
         nodes). With header (fp32 [2 + 2 PK], PK >= P) the packet's header goes into it too.
         -> (path_nodes [P], n 0-dim, bonus 0-dim)."""
+        self.target.enter(self.home)
         path, n, bonus = self.statics.walk(P)
         if self.kernels.walk:  # one kernel instead of ~15 (twin: ddtree.ops.walk.walk)
             walk_kernel(slot.tokens, slot.parents, slot.depths, slot.mask, slot.choice, P, (path, n, bonus),
@@ -181,18 +202,32 @@ class Decoder:
                                     pad, slot.ranks.index_select(0, path).float(), pad]))
         return path, n, bonus
 
-    def commit(self, path: torch.Tensor, n: torch.Tensor):
-        """Keep path[:n] in the target's state and advance the committed length."""
-        self.target.commit(path, n, self.start_d)
+    def commit(self, path: torch.Tensor, n: torch.Tensor, embed: torch.Tensor | None = None):
+        """Keep path[:n] in the target's state and advance the committed length (stage by stage,
+        ending at home). embed: tokens whose embedding rows to look up on the way
+        (TargetModel.commit) -> those rows, or None."""
+        rows = self.target.commit(path, n, self.start_d, embed=embed)
+        self.target.enter(self.home)
         self.start_d.add_(n)
+        return rows
 
-    def draft_topk(self, bonus: torch.Tensor, kv_len: int, k: int, sampling: SamplingParams):
-        """[B-1, k] top-k log-probs and ids of the drafter's block after `bonus`."""
+    def draft_topk(self, bonus: torch.Tensor, kv_len: int, k: int, sampling: SamplingParams,
+                   rows: torch.Tensor | None = None):
+        """[B-1, k] top-k log-probs and ids of the drafter's block after `bonus` (on the home
+        stage). rows: the block's embedding rows, when the commit looked them up."""
+        if rows is not None:
+            return self.drafter.draft_topk(bonus, kv_len, k, sampling.temperature_or_none, rows=rows)
         return self.drafter.draft_topk(bonus, kv_len, k, sampling.temperature_or_none)
+
+    def copy_prefix(self, slot: Slot, src: Slot):
+        """--budget auto: slot's tree = the first slot.T nodes of src's (on home)."""
+        self.target.enter(self.home)
+        slot.copy_prefix_(src)
 
     def build_tree(self, root, lp, ids, budget: int, into: Slot, summarise: bool):
         """The best-first tree of `budget` draft nodes, written into `into` on the device.
         -> (its depth 0-dim, (E_q [B], depth [B]) per prefix if summarise else None)."""
+        lp, ids = self.target.enter(self.home, lp, ids)
         dev = lp.device
         summary = (torch.empty(budget, device=dev), torch.empty(budget, dtype=torch.long, device=dev)) \
             if summarise else None
@@ -252,7 +287,7 @@ class Decoder:
     def calibrate(self, start: int, greedy: bool, plain: bool = False) -> BudgetChooser:
         """Time one verify per candidate budget on the live state (a verify commits nothing); once
         per context bucket and decoder (the cost does not depend on the tokens)."""
-        dev = self.target.device
+        dev = self.device
         key = (self.kv_len(start + max(AUTO_BUDGETS) + 1), greedy,
                start + max(AUTO_BUDGETS) + 1 + self.block_size > self.max_len)
         if key not in self._verify_cost:
@@ -337,7 +372,7 @@ class Decoder:
         """Reset the state, run the prompt through the target (in chunks; the drafter's context
         grows chunk by chunk), choose the first token and draft the first block. The generator
         (job's seed) carries on into `decode`."""
-        tgt, dev = self.target, self.target.device
+        tgt, dev = self.target, self.device
         taps_on = job.method != "ar"
         gen = None
         if job.seed is not None:
@@ -372,7 +407,7 @@ class Decoder:
                on_tokens: Callable[[list[int]], None] | None = None) -> GenerationRecord:
         """The rounds after a prefill: the device pipeline under the job's policy, or the host-tree
         loop (--top1-first, DDTREE_HOST_ROUNDS=1, or a tree the device builder cannot fill)."""
-        dev, method, sampling, gen = self.target.device, job.method, job.sampling, pre.gen
+        dev, method, sampling, gen = self.device, job.method, job.sampling, pre.gen
         out = [pre.bonus]
         if on_tokens:
             on_tokens([pre.bonus])
@@ -422,3 +457,13 @@ class Decoder:
             return None
         return Chain(self.block_size, budget, k)
 
+
+def _drafter_stage(target: TargetModel, drafter: DFlashDrafter) -> int:
+    """The drafter's stage: the one its loader placed it on (stages may share a device), else the
+    last stage on its device (the lm_head's, where the taps are, if it is there), else home."""
+    stages = target.stages
+    st = drafter.stage
+    if st is not None and 0 <= st < len(stages) and stages[st].device == drafter.device:
+        return st
+    on = [s.index for s in stages if s.device == drafter.device]
+    return on[-1] if on else target.home

@@ -41,7 +41,8 @@ def host_tree(method: str, bonus: int, draft: Draft | None, budget: int, top1_fi
 
 def host_draft(dec, slot, taps, P: int, draft_kv: int, k: int, sampling) -> torch.Tensor:
     """After a verify: walk; drafter context += accepted rows; draft the next block (the commit
-    comes after the host sync). Without taps (ar): walk and commit.
+    comes after the host sync). Without taps (ar): walk and commit. On a split target it starts and
+    ends at home (ddtree.decode.decoder's table).
     -> packed floats for the host: [n, bonus, path_nodes (P), topk logprobs (D*k), topk ids (D*k)]."""
     path, n, bonus = dec.walk(slot, P)
     parts = [n.view(1).float(), bonus.view(1).float(), path.float()]
@@ -50,8 +51,8 @@ def host_draft(dec, slot, taps, P: int, draft_kv: int, k: int, sampling) -> torc
         slot.tokens[:1].copy_(bonus.view(1))  # and the bonus is the next step's token, on the device
     else:
         dec.drafter.add_context(taps, n, rows=path)
-        lp, ids = dec.draft_topk(bonus, draft_kv, k, sampling)
-        parts += [lp.flatten().to(bonus.device), ids.flatten().float().to(bonus.device)]
+        lp, ids = dec.target.enter(dec.home, *dec.draft_topk(bonus, draft_kv, k, sampling))
+        parts += [lp.flatten(), ids.flatten().float()]
     return torch.cat(parts)
 
 

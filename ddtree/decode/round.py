@@ -50,13 +50,15 @@ class DeferredContext:
         self.count = torch.zeros((), dtype=torch.long, device=dev)
         self.index = torch.arange(rows, device=dev)
 
-    def push(self, taps: torch.Tensor):
-        """taps [1, W] (a plain verify's root) -> rows[count]; count += 1."""
+    def push(self, drafter, taps: torch.Tensor):
+        """taps [1, W] (a plain verify's root) -> rows[count]; count += 1 (on the drafter's stage)."""
+        taps, = drafter.enter(drafter.stage, taps)
         self.rows.index_copy_(0, self.count.view(1), taps[:1].to(self.rows.dtype))
         self.count += 1
 
     def flush(self, drafter, taps: torch.Tensor, path: torch.Tensor, n: torch.Tensor):
         """Add the deferred rows, then the path's rows of taps [T, W], in one fixed-shape call."""
+        taps, path, n = drafter.enter(drafter.stage, taps, path, n)
         Q, P = self.rows.shape[0], path.shape[0]
         i = torch.arange(Q + P, device=path.device)
         rows = torch.where(i < self.count, i, Q + path.gather(0, (i - self.count).clamp(0, P - 1)))  # [Q + P]
@@ -70,7 +72,7 @@ class Pipeline:
     def __init__(self, dec, policy: Policy, sampling, gen, clock):
         self.dec, self.policy, self.sampling, self.gen, self.clock = dec, policy, sampling, gen, clock
         self.packet = Packet(policy.P, policy.E)
-        self.ring = HostRing(self.packet.size, dec.target.device)
+        self.ring = HostRing(self.packet.size, dec.device)
         self.zeros = dec.statics.full(policy.E, 0.0) if policy.E else None
         if policy.defers and dec.deferred is None:  # before any capture: graphs keep its buffers' addresses
             width = dec.target.cfg.hidden_size * len(dec.target.tap_layers)
@@ -118,7 +120,7 @@ class Pipeline:
         if plan.prefix_of is not None:  # auto: this round's tree is a prefix of the staged one
             src = plan.prefix_of
             slot.device_written()
-            dec.graphs.run(PrefixKey(slot.T, src.T - 1), lambda: slot.copy_prefix_(src))
+            dec.graphs.run(PrefixKey(slot.T, src.T - 1), lambda: dec.copy_prefix(slot, src))
         sizes[r] = slot.T
         kv_len = dec.kv_len(start_bound + slot.T)
         draft_kv = dec.kv_len(start_bound + self.policy.P)
@@ -135,19 +137,25 @@ class Pipeline:
     # ---------------------------------------------------------------- the device side (one graph)
     def step(self, plan: Plan, taps, draft_kv: int) -> torch.Tensor:
         """Everything after a verify: walk -> commit -> drafter context -> draft -> next tree.
-        -> the packet (ddtree.decode.buffers.Packet)."""
+        -> the packet (ddtree.decode.buffers.Packet). On a split target: home (walk) -> stage 0
+        (commit; the draft block's embedding) -> .. -> the last stage (commit, and the rest when
+        the drafter is there, as placement puts it)."""
         dec = self.dec
+        dec.target.enter(dec.home)
         plan.slot.device_written()
         plan.into.device_written()
         head = dec.statics.header(self.policy.P)
         path, n, bonus = dec.walk(plan.slot, plan.walk, head)  # the accepted path; the header for the host
-        dec.commit(path, n)  # target K/V, GDN states; the committed length
+        # a split looks the block's embedding up while the commit is on the embedding's stage
+        block = dec.drafter.block_tokens(bonus) if plan.build is not None and dec.split else None
+        rows = dec.commit(path, n, embed=block)  # target K/V, GDN states; the committed length
         self.add_context(plan, taps, path, n)
         if plan.build is None:  # the bonus alone is the next tree
+            dec.target.enter(dec.home)
             plan.into.tokens[:1].copy_(bonus.view(1))
             extra = self.zeros
         else:
-            lp, ids = dec.draft_topk(bonus, draft_kv, plan.k, self.sampling)
+            lp, ids = dec.draft_topk(bonus, draft_kv, plan.k, self.sampling, rows=rows)
             extra = self.next_tree(plan, bonus, lp, ids)
         return head if extra is None else torch.cat([head, extra])
 
@@ -159,7 +167,7 @@ class Pipeline:
         if plan.context == "path":
             drafter.add_context(taps, n, rows=path)
         elif plan.context == "defer":
-            self.dec.deferred.push(taps)
+            self.dec.deferred.push(drafter, taps)
         else:
             self.dec.deferred.flush(drafter, taps, path, n)
 
@@ -167,11 +175,11 @@ class Pipeline:
         """Write the next round's tree into plan.into; -> the packet's extra (its depth, or auto's
         per-prefix summary)."""
         dec, into = self.dec, plan.into
-        ids = ids.to(into.tokens.device)
+        lp, ids = dec.target.enter(dec.home, lp, ids)
         if plan.build == "chain":  # bonus, then the drafter's top-1 per position
             torch.cat([bonus.view(1), ids[:, 0]], out=into.tokens)
             return dec.statics.full(1, float(into.T - 1))
-        depth, summary = dec.build_tree(bonus, lp.to(ids.device), ids, plan.build, into, summarise=bool(plan.summary))
+        depth, summary = dec.build_tree(bonus, lp, ids, plan.build, into, summarise=bool(plan.summary))
         if summary is not None:
             return auto_summary(summary, plan.summary, dec.statics)
         return depth.float().view(1)

@@ -176,17 +176,22 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_target(ref: str, devices: list[torch.device], dtype: torch.dtype, max_len: int,
-                layer_devices: list[torch.device] | None = None):
-    """-> (TargetModel with state allocated, model_dir). layer_devices: one of devices per layer
-    (ddtree.app.plan's split), else ddtree.model.placement.split_layers."""
-    from ddtree.model.placement import split_layers
+                layer_devices: list[torch.device] | None = None, layer_stages: list[int] | None = None):
+    """-> (TargetModel with state allocated, model_dir). One stage per entry of devices (entries
+    may repeat: two stages on one device). layer_stages: a stage index per layer (ddtree.app.plan's
+    split), else ddtree.model.placement.split_stages; layer_devices alone: a stage per run of equal
+    devices."""
+    from ddtree.model.placement import split_stages
     from ddtree.model.target import TargetModel
 
     model_dir = resolve_model_dir(ref, "target")
     cfg = TargetConfig.from_file(model_dir / "config.json")
     with torch.device("meta"), NoInit():
         model = TargetModel(cfg)
-    placement = layer_devices or split_layers(cfg, devices, max_len, dtype)
+    if layer_stages is None and layer_devices is None:
+        layer_stages = split_stages(cfg, devices, max_len, dtype)
+    placement = layer_devices or [devices[j] for j in layer_stages]
+    model.layer_stages = layer_stages
 
     def device_of(name: str):
         if name.startswith("layers."):
@@ -198,8 +203,11 @@ def load_target(ref: str, devices: list[torch.device], dtype: torch.dtype, max_l
     return model, model_dir
 
 
-def load_drafter(ref: str, target, dtype: torch.dtype, max_len: int, device: torch.device | None = None):
-    """-> (DFlashDrafter with state allocated, model_dir). Placed with the target's lm_head by default."""
+def load_drafter(ref: str, target, dtype: torch.dtype, max_len: int, device: torch.device | None = None,
+                 stage: int | None = None):
+    """-> (DFlashDrafter with state allocated, model_dir). Placed with the target's lm_head by
+    default; stage: the target stage it belongs to (the split's drafter_stage: stages may share a
+    device)."""
     from ddtree.model.drafter import DFlashDrafter
 
     model_dir = resolve_model_dir(ref, "drafter")
@@ -218,6 +226,7 @@ def load_drafter(ref: str, target, dtype: torch.dtype, max_len: int, device: tor
         d = DFlashDrafter(cfg)
     dev = device or target.out_device
     load_weights(d, model_dir, dtype, lambda _n: dev)
+    d.stage = stage
     d.allocate_state(max_len)
     return d, model_dir
 

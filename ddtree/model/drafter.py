@@ -24,6 +24,11 @@ from ddtree.ops.dispatch import REFERENCE
 DEFERRED_ROWS = 64  # the most context rows --budget auto's plain steps defer (decode.budget.PLAIN_PROBE_MAX)
 
 
+def _stay(j: int, *tensors) -> list:
+    """A drafter not attached to a split target: no stage boundaries."""
+    return list(tensors)
+
+
 def drafter_rope(cfg: DrafterConfig, max_len: int, device):
     """cos/sin [max_len, head_dim]; yarn (rope_scaling) through transformers' own init functions."""
     scale = 1.0
@@ -123,14 +128,24 @@ class DFlashDrafter(nn.Module):
         self.ctx_len: torch.Tensor | None = None  # 0-dim long on the device: context rows cached
         self.compile_layers = False  # run the layers through torch.compile (set by the Decoder)
         self.kernels = REFERENCE  # the fast paths of its device (set by the Decoder: ddtree.ops.dispatch)
+        # Its stage in the target's split and the stages of the embedding and lm_head it borrows, and
+        # the target's stage hook (attach); a loader may set `stage` first (stages can share a device).
+        self.stage: int | None = None
+        self.embed_stage = self.head_stage = 0
+        self.enter = _stay
 
     @property
     def device(self):
         return self.fc.weight.device
 
-    def attach(self, embed: nn.Embedding, lm_head: nn.Linear):
+    def attach(self, embed: nn.Embedding, lm_head: nn.Linear, enter=None, stage: int = 0, embed_stage: int = 0,
+               head_stage: int = 0):
+        """Borrow the target's embedding and lm_head; on a split target also its stage hook
+        (ddtree.model.stages) and the stages of the drafter, the embedding and the lm_head."""
         object.__setattr__(self, "embed", embed)
         object.__setattr__(self, "head", lm_head)
+        self.enter = enter or _stay
+        self.stage, self.embed_stage, self.head_stage = stage, embed_stage, head_stage
 
     def cache_rows(self, max_len: int) -> int:
         """Context cache rows for a committed length up to max_len: a fixed-shape write may touch
@@ -171,35 +186,65 @@ class DFlashDrafter(nn.Module):
         Rows past n_valid are written but stay beyond ctx_len (invisible, overwritten later), so
         the shape is fixed whatever was accepted.
         """
+        taps, rows, n_d = self.enter(self.stage, taps, rows, n_valid if torch.is_tensor(n_valid) else None)
         taps = taps.to(self.device, non_blocking=True)
         rows = None if rows is None else rows.to(self.device, non_blocking=True)
         (compiled(_add_context) if self.compile_layers else _add_context)(self, taps, rows)
         R = taps.shape[0] if rows is None else rows.shape[0]
-        self.ctx_len += R if n_valid is None else n_valid.to(self.device) if torch.is_tensor(n_valid) else n_valid
+        self.ctx_len += R if n_valid is None else n_d.to(self.device) if n_d is not None else n_valid
 
     def _fusable(self) -> bool:
         """Can a round's whole draft (block embedding to top-k) be one compiled function? Not under
         tensor parallelism (the vocab all-gather stays eager), nor with the embedding or lm_head on
-        another device."""
+        another stage (a split: `draft_topk` then starts from the block's embedding rows)."""
         return (self.compile_layers and self.gather_logits is _identity
+                and self.embed_stage == self.head_stage == self.stage
                 and self.embed.weight.device == self.head.weight.device == self.device)
 
+    def _head_here(self) -> bool:
+        """Can the draft from the block's rows to top-k be one compiled function (the lm_head on our stage)?"""
+        return (self.compile_layers and self.gather_logits is _identity and self.head_stage == self.stage
+                and self.head.weight.device == self.device)
+
+    def block_tokens(self, bonus: torch.Tensor) -> torch.Tensor:
+        """The block [bonus, mask x (B-1)] as tokens [B] on bonus's device."""
+        return _block_tokens(self.cfg, bonus)
+
     @torch.no_grad()
-    def draft_topk(self, bonus: torch.Tensor, kv_len: int, k: int, temperature: float | None = None):
+    def draft_topk(self, bonus: torch.Tensor, kv_len: int, k: int, temperature: float | None = None,
+                   rows: torch.Tensor | None = None):
         """Top-k log-probabilities (fp32 [B-1, k]) and ids ([B-1, k] long) of the block's positions
-        (logits / temperature when given). With compiled layers one compiled function from the
-        block's embedding to the top-k (the logit tail fuses into a reduction or two); its twin is
-        draft_logits + topk_logprobs (used elsewhere, and by tests)."""
-        if self._fusable():
+        (logits / temperature when given), on the lm_head's stage. With compiled layers one compiled
+        function from the block's embedding to the top-k (the logit tail fuses into a reduction or
+        two); its twin is draft_logits + topk_logprobs (used elsewhere, and by tests). rows: the
+        block's embedding rows [B, hidden] when the caller looked them up already (a split's
+        commit does, on the embedding's stage: TargetModel.commit)."""
+        if rows is None and self._fusable():
             return compiled(_draft_topk)(self, bonus.to(self.device), kv_len, k, temperature)
-        return topk_logprobs(self.draft_logits(bonus, kv_len), k, temperature)
+        x = self._embedded(bonus, rows)
+        if self._head_here():
+            return compiled(_draft_topk_from)(self, x, kv_len, k, temperature)
+        return topk_logprobs(self._logits_from(x, kv_len), k, temperature)
 
     @torch.no_grad()
     def draft_logits(self, bonus: torch.Tensor, kv_len: int) -> torch.Tensor:
         """bonus: 0-dim long token at position ctx_len. Returns logits [B-1, vocab] (fp32) for
         positions ctx_len+1 .. ctx_len+B-1. kv_len: host int >= ctx_len (context rows to read)."""
-        x = _block_embedding(self, bonus.to(self.device))
+        return self._logits_from(self._embedded(bonus, None), kv_len)
+
+    def _embedded(self, bonus: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The block's embedding [B, hidden] on our stage (scaled): looked up on the embedding's
+        stage unless `rows` are given."""
+        if rows is None:
+            b, = self.enter(self.embed_stage, bonus)
+            b = b.to(self.embed.weight.device)
+            rows = F.embedding(_block_tokens(self.cfg, b), self.embed.weight)
+        x, = self.enter(self.stage, rows)
+        return _embed_scale(self.cfg, x.to(self.device))
+
+    def _logits_from(self, x: torch.Tensor, kv_len: int) -> torch.Tensor:
         h = (compiled(_block_hidden) if self.compile_layers else _block_hidden)(self, x, kv_len)
+        h, = self.enter(self.head_stage, h)
         h = h.to(self.head.weight.device)
         return _logit_tail(self.cfg, self.gather_logits(self.head(h)))
 
@@ -213,14 +258,21 @@ def topk_logprobs(logits: torch.Tensor, k: int, temperature: float | None = None
     return vals - torch.logsumexp(logits, -1, keepdim=True), ids  # no full [R, V] log_softmax
 
 
-def _block_embedding(d: DFlashDrafter, bonus: torch.Tensor) -> torch.Tensor:
-    """The block [bonus, mask x (B-1)] embedded: [B, hidden] on the drafter's device."""
-    cfg = d.cfg
-    B = cfg.block_size
-    pos = torch.arange(B, device=bonus.device)
-    block = torch.where(pos == 0, bonus, torch.full_like(pos, cfg.mask_token_id))
-    x = F.embedding(block.to(d.embed.weight.device), d.embed.weight).to(d.device)
+def _block_tokens(cfg: DrafterConfig, bonus: torch.Tensor) -> torch.Tensor:
+    """[bonus, mask x (B-1)]: [B] long on bonus's device."""
+    pos = torch.arange(cfg.block_size, device=bonus.device)
+    return torch.where(pos == 0, bonus, torch.full_like(pos, cfg.mask_token_id))
+
+
+def _embed_scale(cfg: DrafterConfig, x: torch.Tensor) -> torch.Tensor:
     return x * cfg.input_embedding_scale if cfg.input_embedding_scale != 1.0 else x
+
+
+def _block_embedding(d: DFlashDrafter, bonus: torch.Tensor) -> torch.Tensor:
+    """The block [bonus, mask x (B-1)] embedded: [B, hidden] on the drafter's device (one stage)."""
+    block = _block_tokens(d.cfg, bonus)
+    x = F.embedding(block.to(d.embed.weight.device), d.embed.weight).to(d.device)
+    return _embed_scale(d.cfg, x)
 
 
 def _logit_tail(cfg: DrafterConfig, logits: torch.Tensor) -> torch.Tensor:
@@ -232,7 +284,12 @@ def _logit_tail(cfg: DrafterConfig, logits: torch.Tensor) -> torch.Tensor:
 
 def _draft_topk(d: DFlashDrafter, bonus: torch.Tensor, kv_len: int, k: int, temperature: float | None):
     """The whole draft of a round (compiled as one function; see DFlashDrafter.draft_topk)."""
-    h = _block_hidden(d, _block_embedding(d, bonus), kv_len)
+    return _draft_topk_from(d, _block_embedding(d, bonus), kv_len, k, temperature)
+
+
+def _draft_topk_from(d: DFlashDrafter, x: torch.Tensor, kv_len: int, k: int, temperature: float | None):
+    """The draft from the block's embedding x [B, hidden] to the top-k (compiled as one function)."""
+    h = _block_hidden(d, x, kv_len)
     return topk_logprobs(_logit_tail(d.cfg, d.head(h)), k, temperature)
 
 

@@ -10,6 +10,7 @@ nothing here allocates or imports torch.
 
     split = place(cfg, drafter_cfg, ["cuda:0", "cuda:1"], Workload(max_len=131072), capacities)
     split.layer_devices   # one entry of devices per layer
+    split.layer_stages    # one stage index per layer (what tells two stages on one GPU apart)
     split.drafter_device  # an entry of devices, or None without a drafter
 """
 
@@ -36,7 +37,7 @@ class Workload:
     fla: bool = True  # the prefill's GDN chain through fla's chunk kernel (Kernels.fla); False: gdn.chain_chunked
     deferred: bool = False  # --budget auto: its DeferredContext on the drafter's device
     verify_nodes: int = 33  # nodes of the largest tree verified (budget + root; --budget 32 by default)
-    graphs: bool | None = None  # CUDA graphs: None = when every stage is on one GPU (Decoder's rule)
+    graphs: bool | None = None  # CUDA graphs: None = the Decoder's rule (one GPU; a split with DDTREE_SPLIT_GRAPHS=1)
     graph_buckets: int = 2  # context buckets whose captured graphs are alive at once (see gpu_rows)
     workspace: int = GiB  # per GPU: cuBLAS / cuDNN workspaces, Triton and inductor kernel images
     slack: float = 0.02  # per GPU, of everything else: allocator rounding and fragmentation
@@ -50,8 +51,14 @@ def gpu_of(device: str) -> str:
 
 
 def graphs_on(wl: Workload, devices: Sequence[Any]) -> bool:
-    """Whether rounds run as CUDA graphs: as the Decoder decides, when every stage is on one GPU."""
-    return wl.graphs if wl.graphs is not None else len({gpu_of(x) for x in devices}) == 1
+    """Whether rounds run as CUDA graphs: as the Decoder decides, on CUDA devices; a split only
+    with DDTREE_SPLIT_GRAPHS=1 (its pieces graphed in segments, each GPU holding its segments' pools)."""
+    if wl.graphs is not None:
+        return wl.graphs
+    from ddtree.options import Options
+
+    cuda = all(gpu_of(x).startswith("cuda") for x in devices)
+    return cuda and (len(devices) == 1 or Options.from_env().split_graphs)
 
 
 # ============================================================================================
@@ -227,6 +234,10 @@ class Split:
     @property
     def layer_devices(self) -> list[Any]:
         return [self.devices[j] for j, s in enumerate(self.stages) for _ in range(s.start, s.end)]
+
+    @property
+    def layer_stages(self) -> list[int]:
+        return [j for j, s in enumerate(self.stages) for _ in range(s.start, s.end)]
 
     @property
     def drafter_device(self):
@@ -413,7 +424,14 @@ def place(cfg: TargetConfig, d: DrafterConfig | None, devices: Sequence[Any], wl
 def split_layers(cfg: TargetConfig, devices: Sequence[Any], max_len: int = 4096, dtype: Any = "bfloat16",
                  drafter_cfg: DrafterConfig | None = None, capacities: dict[str, int] | None = None) -> list[Any]:
     """One entry of `devices` per layer: contiguous layers per device, reads balanced (see place)."""
+    stages = split_stages(cfg, devices, max_len, dtype, drafter_cfg, capacities)
+    return [devices[j] for j in stages]
+
+
+def split_stages(cfg: TargetConfig, devices: Sequence[Any], max_len: int = 4096, dtype: Any = "bfloat16",
+                 drafter_cfg: DrafterConfig | None = None, capacities: dict[str, int] | None = None) -> list[int]:
+    """One stage index (an entry of `devices`, which may repeat) per layer: contiguous, reads balanced."""
     if len(devices) == 1:
-        return [devices[0]] * cfg.num_layers
-    return place(cfg, drafter_cfg, devices, Workload(max_len=max_len, dtype=dtype), capacities).layer_devices
+        return [0] * cfg.num_layers
+    return place(cfg, drafter_cfg, devices, Workload(max_len=max_len, dtype=dtype), capacities).layer_stages
 

@@ -279,12 +279,14 @@ def build_random_on_devices(raw_target: dict, raw_drafter: dict | None, devices,
     init_on_device_(target, seed)
     for p in target.parameters():
         p.requires_grad_(False)
+    target.layer_stages = split.layer_stages  # two stages on one device stay two
     target.allocate_state(max_len)
     drafter = None
     if raw_drafter is not None:
         with torch.device("meta"), NoInit():
             drafter = DFlashDrafter(dcfg)
         drafter.to_empty(device=split.drafter_device)
+        drafter.stage = split.drafter_stage
         drafter.to(dtype)
         init_on_device_(drafter, seed + 1)
         for p in drafter.parameters():

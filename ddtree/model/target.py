@@ -11,11 +11,13 @@ Two kinds of forward:
     through flash-class kernels (ddtree.ops.attention.prefill_attention) and the GDN chain
     recurrence through fla's chunk kernel (or its torch twin), with no tree scratch or masks.
 
-State lives in buffers allocated once (`allocate_state`), stacked per device so that a commit is
+State lives in buffers allocated once (`allocate_state`), stacked per stage so that a commit is
 a handful of kernels: K/V [attention layers, max_len, kv_heads, head_dim]; GDN conv states
 [GDN layers, width-1, conv_dim] and fp32 recurrent states [GDN layers, v_heads, dk, dv] (each
-layer holds views). Parameter names mirror the HF checkpoints (after the prefix) so loading is a
-rename.
+layer holds views). A split target is a list of stages (ddtree.model.stages: contiguous layers,
+each on a device, two may share one); every piece calls `enter` at each stage boundary, which
+moves the tensors it hands over (eagerly) or ends a graph segment (ddtree.decode.graphs).
+Parameter names mirror the HF checkpoints (after the prefix) so loading is a rename.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from ddtree.ops import commit as commit_kernels
 from ddtree.ops import attention, gdn, gdn_step, gdn_tree
 from ddtree.ops.dispatch import REFERENCE, Kernels, resolve
 from ddtree.model.config import TargetConfig
+from ddtree.model.stages import Stage, StageHook, stages_of
 from ddtree.options import Options
 from ddtree.model.layers import MLP, RMSNorm, GatedRMSNorm, _identity, apply_rope, compiled, fused, residual
 
 
 @dataclass
 class Step:
-    """Per-forward inputs shared by all layers (one copy per device).
+    """Per-forward inputs shared by all layers (one copy per stage).
 
     positions [T]; path_mask [T, T] bool; window [T, width] conv rows; attn_mask [T, kv_len] bool
     (the SDPA twin only; None when the attention kernel serves the device); cos/sin [T, rd];
@@ -53,7 +56,7 @@ class Step:
     sin: torch.Tensor
     start: torch.Tensor
     kv_len: int
-    kernels: Kernels = REFERENCE  # the fast paths this device takes (ddtree.ops.dispatch)
+    kernels: Kernels = REFERENCE  # the fast paths this stage's device takes (ddtree.ops.dispatch)
 
 
 class Attention(nn.Module):
@@ -67,7 +70,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.norm_plus_one)
         self.k_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.norm_plus_one)
-        self.k_cache: torch.Tensor | None = None  # [max_len, kvh, hd], a view of the device's stack
+        self.k_cache: torch.Tensor | None = None  # [max_len, kvh, hd], a view of the stage's stack
         self.v_cache: torch.Tensor | None = None
 
     def _qkv(self, x: torch.Tensor, cos, sin):
@@ -144,7 +147,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
         self.conv_state: torch.Tensor | None = None  # [width-1, conv_dim], oldest first (view of group.conv)
         self.rec_state: torch.Tensor | None = None  # [hv, dk, dv] fp32 (view of group.state)
-        self.group: GDNGroup | None = None  # stacked state + commit scratch of this device's GDN layers
+        self.group: GDNGroup | None = None  # stacked state + commit scratch of this stage's GDN layers
         self.wy_bufs = self.ext_buf = None  # this layer's views of the group's scratch
 
     def _consts(self):
@@ -240,7 +243,7 @@ class GatedDeltaNet(nn.Module):
     def commit(self, last: torch.Tensor):
         """Set conv and recurrent state to those after tree node `last` (0-dim device tensor).
 
-        Per-layer reference twin of GDNGroup.commit (which does all layers of a device at once)."""
+        Per-layer reference twin of GDNGroup.commit (which does all layers of a stage at once)."""
         T, window, path_mask = self.group.step
         ext = self.ext_buf[: self.width - 1 + T]
         rows = window.index_select(0, last.view(1))[0, 1:]  # the last width-1 inputs on its path
@@ -250,7 +253,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class GDNGroup:
-    """The GDN layers of one device: their states stacked, so a commit is one set of kernels
+    """The GDN layers of one stage: their states stacked, so a commit is one set of kernels
     for all of them (not ~a dozen per layer), and the scratch the tree recurrence writes for it.
 
     state [L, hv, dk, dv] fp32; conv [L, width-1, C]; scratch for up to `cap` tree nodes: k, U, c
@@ -329,7 +332,7 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class Chunk:
-    """A prefill chunk's inputs shared by all layers of a device: host offset, rope rows, kernels."""
+    """A prefill chunk's inputs shared by all layers of a stage: host offset, rope rows, kernels."""
 
     start: int
     cos: torch.Tensor  # [T, rd] model dtype
@@ -397,10 +400,15 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tap_layers: list[int] = []  # residual stream after these layers is returned (drafter context)
         self.layer_devices: list[torch.device] = []
+        # one stage index per layer, set by the loaders before allocate_state (placement.Split.layer_stages);
+        # None: a stage per run of equal layer devices
+        self.layer_stages: list[int] | None = None
+        self.stages: list[Stage] = []
+        self.hook = StageHook([])  # what `enter` does: eager moves, or the graph runner's segments
         self.max_len = 0
         self._rope: dict = {}
         self.gather_logits = _identity  # ddtree.parallel installs a vocab all-gather here (vocab-parallel lm_head)
-        self.kernels: dict[torch.device, Kernels] = {}  # per device: its fast paths (use)
+        self.kernels: dict[int, Kernels] = {}  # per stage: its device's fast paths (use)
         self.compile_layers = False  # run decoder layers through torch.compile (see compiled_layer)
 
     # ------------------------------------------------------------------ placement and state
@@ -413,44 +421,59 @@ class TargetModel(nn.Module):
         return self.lm_head.weight.device
 
     @property
+    def home(self) -> int:
+        """The round's home stage: the last (lm_head, logits; the decoder's slots and packet)."""
+        return len(self.stages) - 1
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def allocate_state(self, max_len: int, tree_capacity: int = 256):
-        """Allocate every state buffer once, on each layer's device.
+    def enter(self, j: int, *tensors) -> list:
+        """Work from here on is stage j's; -> `tensors` on its device (see ddtree.model.stages)."""
+        return self.hook.enter(j, tensors)
 
-        Per device: attention K/V stacked [L_attn, max_len, kvh, hd]; a GDNGroup for the GDN
+    def allocate_state(self, max_len: int, tree_capacity: int = 256):
+        """Allocate every state buffer once, on each stage's device.
+
+        Per stage: attention K/V stacked [L_attn, max_len, kvh, hd]; a GDNGroup for the GDN
         layers. tree_capacity bounds the nodes of one forward (tree size or prefill chunk).
         """
         self.max_len, self.tree_capacity = max_len, tree_capacity
         self.layer_devices = [layer.input_layernorm.weight.device for layer in self.layers]
+        self.stages = stages_of(self.layer_devices, self.layer_stages)
+        if self.device != self.stages[0].device or self.out_device != self.stages[-1].device:
+            raise ValueError(f"the embedding ({self.device}) must be on the first stage's device ({self.stages[0].device}) "
+                             f"and the lm_head ({self.out_device}) on the last's ({self.stages[-1].device})")
+        self.hook = StageHook(self.stages)
         self.gdn_groups, self.kv_stacks = {}, {}
-        for dev in dict.fromkeys(self.layer_devices):
-            on = [layer for layer, d in zip(self.layers, self.layer_devices) if d == dev]
+        for st in self.stages:
+            on = self.layers[st.start : st.end]
             gdns = [layer.linear_attn for layer in on if layer.kind == "linear_attention"]
             attns = [layer.self_attn for layer in on if layer.kind == "full_attention"]
             if gdns:
-                self.gdn_groups[dev] = GDNGroup(gdns, dev, self.dtype, tree_capacity)
+                self.gdn_groups[st.index] = GDNGroup(gdns, st.device, self.dtype, tree_capacity)
             if attns:
                 a0 = attns[0]
-                kc = torch.zeros(len(attns), max_len, a0.kvh, a0.hd, device=dev, dtype=self.dtype)
+                kc = torch.zeros(len(attns), max_len, a0.kvh, a0.hd, device=st.device, dtype=self.dtype)
                 vc = torch.zeros_like(kc)
                 for j, att in enumerate(attns):
                     att.k_cache, att.v_cache = kc[j], vc[j]
-                self.kv_stacks[dev] = (kc, vc)
-        self._rope = {d: rope_tables(self.cfg, max_len, d) for d in set(self.layer_devices)}
+                self.kv_stacks[st.index] = (kc, vc)
+        # constants: one table per device (stages on one device read the same one)
+        self._rope = {d: rope_tables(self.cfg, max_len, d) for d in dict.fromkeys(st.device for st in self.stages)}
         if not self.kernels:  # the default fast paths until a Decoder sets its options (use)
             self.use(Options())
         self.prepare()
 
     def use(self, options: Options):
-        """Take the fast paths `options` allows on each of this model's devices (the attention
-        kernel needs a power-of-two head dim of at least 16; SDPA's dense mask serves others)."""
+        """Take the fast paths `options` allows on each stage's device (the attention kernel needs
+        a power-of-two head dim of at least 16; SDPA's dense mask serves others)."""
         hd = self.cfg.head_dim
         fits = hd >= 16 and hd & (hd - 1) == 0
-        self.kernels = {d: resolve(options, d) for d in dict.fromkeys(self.layer_devices + [self.out_device])}
+        self.kernels = {st.index: resolve(options, st.device) for st in self.stages}
         if not fits:
-            self.kernels = {d: dataclasses.replace(k, attention="sdpa") for d, k in self.kernels.items()}
+            self.kernels = {j: dataclasses.replace(k, attention="sdpa") for j, k in self.kernels.items()}
 
     def prepare(self):
         """Inference-time constants derived from the weights: fused projection weights (views,
@@ -473,9 +496,13 @@ class TargetModel(nn.Module):
             group.reset()
 
     # ------------------------------------------------------------------ forward
-    def make_step(self, positions, path_mask, parents, start, kv_len: int, device) -> Step:
+    def make_step(self, positions, path_mask, parents, start, kv_len: int, stage: int | torch.device = 0) -> Step:
+        """The Step of a stage (an index, or a device: its first stage) from inputs on its device."""
+        if not isinstance(stage, int):
+            stage = next((st.index for st in self.stages if st.device == torch.device(stage)), 0)
+        device = self.stages[stage].device if self.stages else positions.device
         T = positions.shape[0]
-        kernels = self.kernels.get(device, REFERENCE)
+        kernels = self.kernels.get(stage, REFERENCE)
         attn_mask = None
         if kernels.attention != "kernel":  # the SDPA twin's dense mask: prefix, then the tree's ancestors
             key = torch.arange(kv_len, device=device)
@@ -508,73 +535,85 @@ class TargetModel(nn.Module):
         logit_rows: torch.Tensor | None = None,
         want_taps: bool = True,
     ):
-        """tokens/positions/parents [T] long, path_mask [T, T] bool, start 0-dim long: all on self.device.
+        """tokens/positions/parents [T] long, path_mask [T, T] bool, start 0-dim long (any stage's
+        device; each stage gets them at its boundary).
 
         Returns logits [R, vocab] (R = T, or len(logit_rows)) and the tap hidden states
-        [T, len(tap_layers) * hidden] on out_device (None if not wanted).
+        [T, len(tap_layers) * hidden] on the last stage (None if not wanted).
         """
-        steps: dict = {}
-
-        def step_on(dev):
-            if dev not in steps:
-                args = [t.to(dev, non_blocking=True) for t in (positions, path_mask, parents, start)]
-                st = steps[dev] = self.make_step(*args, kv_len, dev)
-                if fast:
-                    _mark_dynamic(st)
-                if dev in self.gdn_groups:  # what the commit will need
-                    self.gdn_groups[dev].step = (positions.shape[0], st.window, st.path_mask)
-            return steps[dev]
-
         # Tree and decode forwards go through the compiled layer when enabled (fewer, fused kernels);
         # prefill chunks (TargetModel.prefill) stay eager: their shapes vary.
         fast = self.compile_layers
-        x = self.embed_tokens(tokens)
-        if fast and x.shape[0] > 1:
-            torch._dynamo.maybe_mark_dynamic(x, 0)
-        taps = []
-        for i, (layer, dev) in enumerate(zip(self.layers, self.layer_devices)):
-            if x.device != dev:
-                x = x.to(dev, non_blocking=True)
-            x = (compiled_layer(layer) if fast else _call_layer)(layer, x, step_on(dev))
-            if want_taps and i in self.tap_layers:
-                taps.append(x)
-        x = x.to(self.out_device, non_blocking=True)
+        T = tokens.shape[0]
+        inputs = (positions, path_mask, parents, start)
+        last = self.home
+        x, taps = tokens, []
+        for st in self.stages:
+            j = st.index
+            # the boundary: the residual stream (the tokens on stage 0), the step's inputs, and into
+            # the last stage the logit rows and earlier stages' taps
+            moved = self.enter(j, x, *inputs, *((logit_rows, *taps) if j == last else ()))
+            x, step_in = moved[0], moved[1:5]
+            if j == last:
+                logit_rows, taps = moved[5], list(moved[6:])
+            if j == 0:
+                x = self.embed_tokens(x)
+                if fast and T > 1:
+                    torch._dynamo.maybe_mark_dynamic(x, 0)
+            s = self.make_step(*step_in, kv_len, j)
+            if fast:
+                _mark_dynamic(s)
+            if j in self.gdn_groups:  # what the commit will need
+                self.gdn_groups[j].step = (T, s.window, s.path_mask)
+            for i in range(st.start, st.end):
+                x = (compiled_layer(self.layers[i]) if fast else _call_layer)(self.layers[i], x, s)
+                if want_taps and i in self.tap_layers:
+                    taps.append(x)
         if logit_rows is not None:
-            x = x.index_select(0, logit_rows.to(x.device))
+            x = x.index_select(0, logit_rows)
         logits = self.gather_logits(self.lm_head(self.norm(x)))
-        tap = torch.cat([t.to(self.out_device, non_blocking=True) for t in taps], -1) if taps else None
+        tap = torch.cat(taps, -1) if taps else None
         return logits, tap
 
     @torch.no_grad()
-    def commit(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor, start: torch.Tensor):
+    def commit(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor, start: torch.Tensor,
+               embed: torch.Tensor | None = None):
         """Keep the path path_nodes[:n_nodes] of the last forward (root first; padding repeats the last).
 
-        path_nodes [P] long and n_nodes, start 0-dim long, on self.device; no host sync. A few
-        kernels per device: stacked K/V moves and one batched GDN state update.
+        path_nodes [P] long and n_nodes, start 0-dim long; no host sync. A few kernels per stage,
+        stage by stage (it ends on the last): stacked K/V moves and one batched GDN state update.
+        embed (tokens [B], optional): their embedding rows are looked up while on stage 0, which
+        a split's draft would otherwise cross to on its own. -> those rows [B, hidden] (or None).
         """
-        for dev in dict.fromkeys(self.layer_devices):
-            p, s0, n_ = (t.to(dev, non_blocking=True) for t in (path_nodes, start, n_nodes))
-            kn = self.kernels.get(dev, REFERENCE)
-            if dev in self.gdn_groups:
-                self.gdn_groups[dev].commit(p, n_, kn)
-            if dev in self.kv_stacks and kn.triton:
-                commit_kernels.kv_commit_(*self.kv_stacks[dev], p, s0)  # one kernel for all layers' K and V
-            elif dev in self.kv_stacks:
+        rows = None
+        for st in self.stages:
+            j = st.index
+            p, n_, s0, blk = self.enter(j, path_nodes, n_nodes, start, embed if j == 0 else None)
+            kn = self.kernels.get(j, REFERENCE)
+            if j in self.gdn_groups:
+                self.gdn_groups[j].commit(p, n_, kn)
+            if j in self.kv_stacks and kn.triton:
+                commit_kernels.kv_commit_(*self.kv_stacks[j], p, s0)  # one kernel for all layers' K and V
+            elif j in self.kv_stacks:
                 src = s0 + p
-                dst = s0 + torch.arange(p.shape[0], device=dev)
-                for cache in self.kv_stacks[dev]:
+                dst = s0 + torch.arange(p.shape[0], device=st.device)
+                for cache in self.kv_stacks[j]:
                     cache.index_copy_(1, dst, cache.index_select(1, src))
+            if blk is not None:
+                rows = self.embed_tokens(blk)
+        return rows
 
     @torch.no_grad()
     def commit_reference(self, path_nodes: torch.Tensor, n_nodes: torch.Tensor, start: torch.Tensor):
         """Layer-by-layer twin of `commit` (tests compare them)."""
         last = path_nodes.gather(0, (n_nodes - 1).view(1))[0]
-        for layer, dev in zip(self.layers, self.layer_devices):
-            p, l_, s0 = (t.to(dev) for t in (path_nodes, last, start))
-            if layer.kind == "linear_attention":
-                layer.linear_attn.commit(l_)
-            else:
-                layer.self_attn.commit(p, s0)
+        for st in self.stages:
+            p, l_, s0 = self.enter(st.index, path_nodes, last, start)
+            for layer in self.layers[st.start : st.end]:
+                if layer.kind == "linear_attention":
+                    layer.linear_attn.commit(l_)
+                else:
+                    layer.self_attn.commit(p, s0)
 
     # ------------------------------------------------------------------ convenience (host-driven)
     def prefill_chunk(self, free_bytes: int | None = None) -> int:
@@ -609,24 +648,25 @@ class TargetModel(nn.Module):
         return logits, (torch.cat(taps) if taps else None)
 
     def _prefill_chunk(self, tokens: torch.Tensor, start: int, want_taps: bool):
-        """One chunk through every layer (eager: its shapes vary), committed. -> (last logits, taps)."""
+        """One chunk through every stage (eager: its shapes vary), committed. -> (last logits, taps)."""
         T = tokens.shape[0]
-        chunks: dict = {}
-        x = self.embed_tokens(tokens)
-        taps = []
-        for i, (layer, dev) in enumerate(zip(self.layers, self.layer_devices)):
-            if dev not in chunks:
-                cos, sin = self._rope[dev]
-                chunks[dev] = Chunk(start, cos[start : start + T].to(self.dtype), sin[start : start + T].to(self.dtype),
-                                    self.kernels.get(dev, REFERENCE))
-            if x.device != dev:
-                x = x.to(dev, non_blocking=True)
-            x = layer.prefill(x, chunks[dev])
-            if want_taps and i in self.tap_layers:
-                taps.append(x)
-        last = x[-1:].to(self.out_device, non_blocking=True)
-        logits = self.gather_logits(self.lm_head(self.norm(last)))[0]
-        tap = torch.cat([t.to(self.out_device, non_blocking=True) for t in taps], -1) if taps else None
+        x, taps, last = tokens, [], self.home
+        for st in self.stages:
+            moved = self.enter(st.index, x, *(taps if st.index == last else ()))
+            x = moved[0]
+            if st.index == last:
+                taps = list(moved[1:])
+            if st.index == 0:
+                x = self.embed_tokens(x)
+            cos, sin = self._rope[st.device]
+            c = Chunk(start, cos[start : start + T].to(self.dtype), sin[start : start + T].to(self.dtype),
+                      self.kernels.get(st.index, REFERENCE))
+            for i in range(st.start, st.end):
+                x = self.layers[i].prefill(x, c)
+                if want_taps and i in self.tap_layers:
+                    taps.append(x)
+        logits = self.gather_logits(self.lm_head(self.norm(x[-1:])))[0]
+        tap = torch.cat(taps, -1) if taps else None
         return logits, tap
 
     @torch.no_grad()

@@ -47,6 +47,10 @@ import torch.nn.functional as F
 from ddtree.ops.triton_util import _kernel, _on_device_of, tl, triton
 
 LOG2E = 1.4426950408889634
+# fp32 calls split the prefix so that no program accumulates more than this many keys: one program
+# over a 32K prefix (T = 128 leaves no room for splits by the occupancy rule) drifted 1.8e-5 from
+# the fp32 twin on an H200; the twin itself sums in blocks.
+FP32_SPLIT_KEYS = 4096
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -395,6 +399,8 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     err = None
     for tt in todo or [Tiles(16, 16, 4, 1)]:
         ns = num_splits(read_len, rows, KVH, tt.bm, _sm_count(dev)) if splits is None else int(splits)
+        if splits is None and q.dtype == torch.float32:  # fp32: a program's online softmax over at most
+            ns = max(ns, min(128, read_len // FP32_SPLIT_KEYS))  # FP32_SPLIT_KEYS keys keeps its rounding near the twin's
         ns = 0 if ns <= 1 else ns
         if ns:
             ws_acc = _workspace((ns + 1) * KVH * rows * D, dev)  # [NS + 1, KVH, rows, D]

@@ -3,8 +3,10 @@ the check `generate` / `bench` run before loading. CPU only, configs only.
 
 Figures these tests state (bf16, --budget 32, CUDA context and workspace reserved; the prefill in
 chunks the engine picks from the first GPU's free memory, its GDN chain through fla's kernel):
-  2 x 48 GiB, torch's math SDPA for the verify's and draft's masked attention (what an RTX A6000
-    runs, and the default with --gpu-memory): 128K fits, up to --max-length 149504 (past it, the
+  2 x 48 GiB, the split-KV attention kernel (the engine's verify and draft wherever Triton runs,
+    and the default with --gpu-memory): the model's whole 262144 fits.
+  2 x 48 GiB, torch's math SDPA for the verify's and draft's masked attention (its fallback, e.g.
+    DDTREE_ATTENTION=sdpa on an RTX A6000): 128K fits, up to --max-length 149504 (past it, the
     verify's fp32 K/V expanded to the query heads outgrow a GPU: ~10 GiB at 128K).
   2 x 48 GiB, a fused SDPA kernel (cuDNN attention: H100/H200): the model's whole 262144 fits.
   1 x 80 GB (74.5 GiB, CUDA graphs): up to 35840 with the math path, 153600 with a fused one.
@@ -196,13 +198,19 @@ def one_error_line(r) -> str:
 
 
 def test_cli_plan_prints_the_table(models):
-    """--gpu-memory plans for the math SDPA path unless --attention says otherwise."""
+    """--gpu-memory plans for the engine's split-KV attention kernel (the verify and the draft take
+    no mask) unless --attention says otherwise: 2 x 48 GiB holds the model's whole 262144; with
+    the math SDPA fallback (DDTREE_ATTENTION=sdpa, or no Triton) up to 149504."""
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
                "--max-length", 131072)
     assert r.exit_code == 0, r.stderr
     assert "cuda:0" in r.stdout and "cuda:1" in r.stdout and "K/V cache" in r.stdout and "free after" in r.stdout
-    assert "the largest --max-length that fits is 149504" in r.stdout and "torch's math SDPA" in r.stdout
+    assert "the largest --max-length that fits is 262144" in r.stdout and "split-KV attention kernel" in r.stdout
     assert r.stderr.strip() == ""
+    r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
+               "--max-length", 131072, "--attention", "math")
+    assert r.exit_code == 0, r.stderr
+    assert "the largest --max-length that fits is 149504" in r.stdout and "torch's math SDPA" in r.stdout
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
                "--max-length", 131072, "--attention", "fused", "--budget", "auto")
     assert r.exit_code == 0, r.stderr
@@ -234,7 +242,7 @@ def test_cli_plan_defaults_to_the_models_max_positions(models):
     (["--gpu-memory", "48GiB", "--attention", "flash"], "unknown --attention 'flash'"),
     (["--gpu-memory", "48GiB", "--budget", "many"], "--budget 'many'"),
     (["--gpu-memory", "48GiB", "--dtype", "int8"], "unknown --dtype 'int8'"),
-    (["--gpu-memory", "48GiB", "--max-length", "-5"], "--max-length -5"),
+    (["--gpu-memory", "48GiB", "--max-length", "-5"], "'--max-length'"),  # the command line's own range check
 ])
 def test_cli_plan_bad_input_is_one_line(models, args, needle):
     line = one_error_line(invoke("--target", models / "target", *args))
@@ -312,12 +320,13 @@ def test_plan_for_devices_against_free_memory(monkeypatch):
 
 
 def test_load_models_plans_before_reading_weights(monkeypatch, tmp_path):
-    from ddtree.app import bench
+    from ddtree.app import setup as bench
+    from ddtree.model import checkpoint
 
     calls = []
     monkeypatch.setattr(planmod, "plan_for_devices", lambda *a, **k: calls.append((a, k)) or (_ for _ in ()).throw(
         DDTreeError("does not fit")))
-    monkeypatch.setattr(bench, "load_target", lambda *a, **k: pytest.fail("weights read before the plan"))
+    monkeypatch.setattr(checkpoint, "load_target", lambda *a, **k: pytest.fail("weights read before the plan"))
     spec = bench.ModelSpec(target_ref=NAME, target_dir=tmp_path, target_cfg=T, drafter_cfg=D, devices=["cuda:0"])
     with pytest.raises(DDTreeError, match="does not fit"):
         bench.load_models(spec, 4096, True, room=33, auto=True)

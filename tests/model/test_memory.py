@@ -333,7 +333,7 @@ def test_prefill_layer_estimates_bound_live_bytes(flash_prefill, scale, T, dtype
     cfg = target.cfg
     x = torch.randn(T, cfg.hidden_size, dtype=dtype)
     cos, sin = target._rope[torch.device("cpu")]
-    chunk = Chunk(0, cos[:T].to(dtype), sin[:T].to(dtype), target.kernels[torch.device("cpu")])
+    chunk = Chunk(0, cos[:T].to(dtype), sin[:T].to(dtype), target.kernels[0])  # (kernels per stage)
     for i in (0, 3):
         layer = target.layers[i]
         live = _peak(lambda: layer.prefill(x, chunk))

@@ -104,9 +104,8 @@ def test_rejects_unknown_and_other_preset(tmp_path):
         main(_files(tmp_path, engine={**ENGINE, "main": {**ENGINE["main"], "preset": "qwen3-8b"}}))
 
 
-@pytest.mark.skipif(not (REPO / "results/engine-h200-session7.json").is_file(), reason="committed H200 results absent")
 def test_projection_on_the_committed_h200_results():
-    doc = main([str(REPO / "results/engine-h200-session7.json"), str(REPO / "results/multigpu-h200x2-session4.json")])
+    doc = main([str(REPO / "results/engine-long-h200.json"), str(REPO / "results/multigpu-h200x2.json")])
     assert len(doc["rows"]) == 6  # layer split, TP=2 NCCL, TP=2 one-shot at 1K and 32K
     for r in doc["rows"]:
         assert all(r[f"{u}_ms"] > 0 for u in ("ar", "dflash", "ddtree")), r
