@@ -105,8 +105,9 @@ def test_nothing_fits_is_reported():
 
 def test_stages_on_one_gpu_share_it():
     """cuda:0,cuda:0: one GPU holds both stages (their weights and state add up, one rope table,
-    one forward's activations at a time); the reads still balance between the stages."""
-    wl = Workload(max_len=32768)
+    one forward's activations at a time); the reads still balance between the stages. Both graphed
+    (the split's segments, as DDTREE_SPLIT_GRAPHS=1 takes them)."""
+    wl = Workload(max_len=32768, graphs=True)
     one = place(T, D, ["cuda:0"], wl).gpus["cuda:0"]
     two = place(T, D, ["cuda:0", "cuda:0"], wl)
     assert list(two.gpus) == ["cuda:0"]
