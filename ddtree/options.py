@@ -114,6 +114,20 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
+def markdown_table() -> str:
+    """The README's table of engine switches (tests/test_options.py checks README.md holds it)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, env, default, help, experimental in table():
+        shown = {True: "on", False: "off"}.get(default, default) if isinstance(default, bool) else default
+        flip = {"DDTREE_NO_": "`=1` turns it off", "DDTREE_TORCH_WALK": "`=1` turns it off"}
+        how = next((v for k, v in flip.items() if env.startswith(k)), "")
+        if isinstance(default, bool) and not how:
+            how = "`=1` turns it on"
+        text = help + (f" ({how})" if how else "") + (" *experimental*" if experimental else "")
+        rows.append(f"| `{env}` | {shown} | {text} |")
+    return "\n".join(rows)
+
+
 def table() -> list[tuple[str, str, Any, str, bool]]:
     """(field, environment variable, default, meaning, experimental) for every switch (docs, tests)."""
     return [(f.name, f.metadata["env"], f.default, f.metadata["help"], f.metadata["experimental"])

@@ -1,0 +1,56 @@
+"""The engine switches (ddtree.options): one declaration each, read from the environment once,
+bad values as one error line, and the README's table made from them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ddtree.errors import DDTreeError
+from ddtree.options import Options, markdown_table, table
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_and_environment():
+    o = Options.from_env({})
+    assert o == Options()
+    got = Options.from_env({"DDTREE_NO_COMPILE": "1", "DDTREE_TRITON_TREE": "1", "DDTREE_TREE_PROLOGUE": "0",
+                            "DDTREE_HOST_ROUNDS": "1", "DDTREE_ATTENTION": "sdpa", "DDTREE_SPLIT_GRAPHS": "1"})
+    assert (got.compile, got.tree_kernel, got.tree_prologue, got.host_rounds, got.attention, got.split_graphs) == \
+        (False, "on", 0, True, "sdpa", True)
+    assert Options.from_env({"DDTREE_NO_COMPILE": "0"}).compile  # only =1 turns it off
+
+
+@pytest.mark.parametrize("env,value", [("DDTREE_TRITON_TREE", "maybe"), ("DDTREE_TREE_PROLOGUE", "-3"),
+                                       ("DDTREE_ATTENTION", "flash"), ("DDTREE_TREE_PRECISION", "fp8")])
+def test_bad_value_is_one_line(env, value):
+    with pytest.raises(DDTreeError) as e:
+        Options.from_env({env: value})
+    assert env in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_switch_declared_once_and_recorded_whole():
+    envs = [row[1] for row in table()]
+    assert len(envs) == len(set(envs)) == len(dataclasses.fields(Options))
+    assert set(Options().to_dict()) == {f.name for f in dataclasses.fields(Options)}
+
+
+def test_readme_switch_table_is_the_code():
+    assert markdown_table() in (REPO / "README.md").read_text(), \
+        "README.md's engine switch table differs from ddtree.options.markdown_table(): paste it"
+
+
+def test_no_module_reads_a_switch_but_options():
+    """Every DDTREE_* variable of the package is read in ddtree/options.py only."""
+    offenders = []
+    for path in (REPO / "ddtree").rglob("*.py"):
+        if path.name == "options.py" and path.parent.name == "ddtree":
+            continue
+        text = path.read_text()
+        for row in table():
+            if f'environ.get("{row[1]}"' in text or f"environ['{row[1]}'" in text or f'environ["{row[1]}"' in text:
+                offenders.append(f"{path.relative_to(REPO)}: {row[1]}")
+    assert not offenders, offenders
