@@ -173,11 +173,11 @@ def hf_reference(model, raw_cfg: dict):
     missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
     missing = [m for m in missing if "rotary" not in m]
     assert not missing and not unexpected, (missing, unexpected)
-    _torch_gdn_paths(hf)
+    torch_gdn_paths(hf)
     return hf.to(model.dtype)
 
 
-def _torch_gdn_paths(hf) -> None:
+def torch_gdn_paths(hf) -> None:
     """Point transformers' model at its pure-torch GDN functions. Two routes lead to fla: module
     attributes set at construction (use_kernelized_func) and the module-level functions themselves,
     which `use_kernel_func_from_hub_with_fallback` wraps to call fla when it is importable; the

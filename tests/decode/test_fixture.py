@@ -58,7 +58,10 @@ def ar_outputs(decoder, prompts):
 def test_ar_equals_transformers_greedy(prompts, ar_outputs):
     from transformers import Qwen3_5ForCausalLM
 
+    from ddtree.model.synthetic import torch_gdn_paths
+
     hf = Qwen3_5ForCausalLM.from_pretrained(str(FIXTURE / "target"), dtype=torch.float32).eval()
+    torch_gdn_paths(hf)  # the pure-torch reference (with fla installed transformers would call its kernels)
     for pid, ids in prompts:
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                           do_sample=False, max_new_tokens=NEW, eos_token_id=0, pad_token_id=0)

@@ -372,7 +372,7 @@ def test_audit_catches_a_missing_hand_over():
 def test_placement_with_repeated_devices():
     """cpu,cpu: two stages (contiguous, both non-empty), each with its own state groups; the
     drafter's stage comes from the placement; `ddtree` accepts repeated --devices."""
-    from ddtree.app.bench import parse_device_list
+    from ddtree.app.setup import parse_device_list
     from ddtree.model.config import TargetConfig
     from ddtree.model.placement import Workload, place, split_layers, split_stages
     from ddtree.model.stages import stages_of

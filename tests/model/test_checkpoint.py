@@ -146,6 +146,9 @@ def test_transformers_from_pretrained_same_logits(hybrid, dense, tmp_path, kind)
         pytest.skip(f"transformers {transformers.__version__} cannot read this checkpoint: {type(e).__name__}: {e}")
     missing = [k for k in info["missing_keys"] if "rotary" not in k]
     assert not missing and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    from ddtree.model.synthetic import torch_gdn_paths
+
+    torch_gdn_paths(hf)  # the pure-torch reference (with fla installed transformers would call its kernels)
     ref = hf.eval()(TOKENS[None]).logits[0]
     loaded, _ = load_target(str(d), CPU, torch.float32, MAX_LEN)
     assert_rel(_logits(loaded), ref, TOL, f"{kind}: ours (loaded) vs transformers from_pretrained")
