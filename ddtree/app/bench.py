@@ -28,7 +28,8 @@ from ddtree.stats import aggregate, is_auto, make_run_document, tokens_per_forwa
 
 # the shared set-up, under the names older callers import from here
 from ddtree.app.setup import (  # noqa: F401
-    AUTO_BUDGET_ROOM, LENGTH_SLACK, ModelSpec, check_length, encode_prompt, inspect_models, load_models,
+    AUTO_BUDGET_ROOM, LENGTH_SLACK, ModelSpec, check_length, encode_prompt, fit_prompt, inspect_models,
+    load_models,
     model_metadata, parse_budget, parse_budgets, parse_method, parse_methods, positive_int, tree_room,
 )
 
@@ -151,6 +152,7 @@ def run_bench(
     progress: bool = True,
     print_table: bool = True,
     stage: Callable[[str], None] | None = None,
+    prompt_tokens: int | None = None,
     given: frozenset = frozenset(),
 ) -> dict:
     """Benchmark the methods on a prompt set; returns the (validated) result document and writes it
@@ -159,13 +161,15 @@ def run_bench(
     option that has no effect in the combination given gets one warning line)."""
     stage = stage or (lambda s: None)
     opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_new_tokens=max_new_tokens,
-                raw=raw, thinking=thinking, tp=tp, top1_first=top1_first)
+                raw=raw, thinking=thinking, tp=tp, top1_first=top1_first, prompt_tokens=prompt_tokens)
     # ---- every check that needs no torch
     meths = parse_methods(methods)
     buds = parse_budgets(budgets) if "ddtree" in meths else []
     max_new_tokens = positive_int(max_new_tokens, "--max-new-tokens")
     if max_length is not None:
         positive_int(max_length, "--max-length")
+    if prompt_tokens is not None:
+        positive_int(prompt_tokens, "--prompt-tokens")
     tp = positive_int(tp, "--tp")
     if warmup is None or isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise DDTreeError(f"--warmup {warmup!r} must be 0 or a positive integer")
@@ -192,7 +196,10 @@ def run_bench(
     # ---- configs, tokenizer, prompts
     spec = inspect_models(target, drafter, devices, dtype, need_drafter)
     S.warn_template(spec, dict(raw=raw, thinking=thinking), given)
-    encoded = [(p, encode_prompt(spec, p, raw, thinking)) for p in plist]
+    if prompt_tokens is None:
+        encoded = [(p, encode_prompt(spec, p, raw, thinking)) for p in plist]
+    else:
+        encoded = [(p, fit_prompt(spec, p, raw, thinking, prompt_tokens)) for p in plist]
     longest = max(len(ids) for _, ids in encoded)
     plan = [(m, b) for m in meths for b in (buds if m == "ddtree" else [None])]
     room = max(tree_room(m, b, spec.block_size) for m, b in plan)
@@ -341,6 +348,7 @@ class _Bench:
         ar_rate = next((x for r, x in zip(self.results, rates) if r["method"] == "ar"), None) or None
         meta = model_metadata(self.spec, opts, prompts=str(prompts), methods=meths, budgets=buds, warmup=warmup,
                               limit=limit, max_length=max_len, top1_first=self.top1_first, interrupted=interrupted,
+                              prompt_tokens=opts.get("prompt_tokens"),
                               **self.paths)
         keys = ("method", "budget", "budget_setting", "records", "block_size", "interrupted")
         doc = make_run_document(meta, [dict({k: r[k] for k in keys}, speedup_vs_ar=x / ar_rate if ar_rate else None)

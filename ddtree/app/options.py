@@ -97,6 +97,9 @@ OPTIONS: tuple[Opt, ...] = (
         "suite (code, math, chat) or hf:DATASET[:SPLIT[:FIELD]] (needs the datasets package); generate takes it "
         "instead of PROMPT", default={GEN: None, BENCH: "code"}, default_doc={BENCH: "code"}, metavar="SPEC"),
     Opt("limit", ("--limit",), int, MODEL, "Only the first N prompts of --prompts", default_doc="all", metavar="N", min=1),
+    Opt("prompt_tokens", ("--prompt-tokens",), int, (BENCH,),
+        "Fit every prompt to exactly N tokens (its text repeated, or cut, inside the chat template): long-context "
+        "runs from any prompt set", default_doc="as written", metavar="N", min=1),
     Opt("max_new_tokens", ("--max-new-tokens", "-n"), int, (GEN, BENCH, SELFTEST), "Tokens to generate per prompt",
         default={GEN: 256, BENCH: 256, SELFTEST: 48}, default_doc="256 (selftest: 48)", metavar="N", min=1),
     Opt("temperature", ("--temperature",), float, MODEL, "Sampling temperature; 0 = greedy", default=0.0, metavar="T", min=0),

@@ -460,6 +460,62 @@ def encode_prompt(spec: ModelSpec, prompt: Prompt, raw: bool, thinking: bool) ->
     return [int(i) for i in ids]
 
 
+def fit_prompt(spec: ModelSpec, prompt: Prompt, raw: bool, thinking: bool, n_tokens: int) -> list[int]:
+    """-> the prompt's ids at exactly ``n_tokens``: its text (a chat prompt's last user turn)
+    repeated or cut at token boundaries, inside the chat template, so a long-context run keeps
+    the template's head and its generation prompt at the end. Re-encoding the repeated text can
+    merge tokens at the seams; the text is refitted until the count is exact."""
+    tok = spec.tokenizer
+    base = encode_prompt(spec, prompt, raw, thinking)
+    if len(base) == n_tokens:
+        return base
+    turn = _fit_turn(prompt)
+    unit = tok.encode((turn[1] if turn else prompt.text) or "", add_special_tokens=False)
+    if not unit:
+        raise DDTreeError(f"{prompt.label} has no text to repeat: --prompt-tokens needs a text prompt")
+    head = len(base) - len(unit)  # the template's own tokens around the text
+    if n_tokens <= head:
+        raise DDTreeError(
+            f"--prompt-tokens {n_tokens} leaves no room for the text of {prompt.label} (the chat template "
+            f"alone is {head} tokens): pass a larger N or --raw"
+        )
+    want = n_tokens - head
+    ids = base
+    for _ in range(8):
+        body = (unit * (want // len(unit) + 1))[:want]
+        ids = encode_prompt(spec, _with_text(prompt, turn, tok.decode(body)), raw, thinking)
+        if len(ids) == n_tokens:
+            return ids
+        want += n_tokens - len(ids)
+        if want < 1:
+            break
+    # the tokenizer keeps merging at a seam: cut or pad the ids themselves, keeping the end (the
+    # generation prompt) intact
+    if len(ids) > n_tokens:
+        return ids[:head // 2] + ids[len(ids) - (n_tokens - head // 2):]
+    return ids[:head // 2] + (unit * (n_tokens // len(unit) + 1))[:n_tokens - len(ids)] + ids[head // 2:]
+
+
+def _fit_turn(prompt: Prompt) -> tuple[int, str] | None:
+    """(index, content) of the chat prompt's last user turn; None for a text prompt."""
+    if prompt.messages is None:
+        return None
+    for i in range(len(prompt.messages) - 1, -1, -1):
+        if prompt.messages[i].get("role") == "user":
+            return i, str(prompt.messages[i]["content"])
+    raise DDTreeError(f"{prompt.label} has no user turn to repeat: --prompt-tokens needs one")
+
+
+def _with_text(prompt: Prompt, turn: tuple[int, str] | None, text: str) -> Prompt:
+    from dataclasses import replace
+
+    if turn is None:
+        return replace(prompt, text=text)
+    msgs = [dict(m) for m in prompt.messages]
+    msgs[turn[0]]["content"] = text
+    return replace(prompt, messages=msgs)
+
+
 def check_length(n_prompt: int, max_new_tokens: int, room: int, max_length: int | None, what: str = "prompt") -> int:
     """-> the state length to allocate (--max-length, or what the longest run needs plus slack)."""
     if max_length is None:

@@ -291,3 +291,25 @@ def test_table_headline_is_tokens_per_forward():
     assert head.split("  ")[5] == "tok/fwd" and "accept len (drafted)" in head
     assert cells[:2] == ["ddtree", "auto"] and cells[5] == "1.75" and cells[6] == "2.50"  # 7/4 and 1 + 3/2
     assert note == "ddtree auto chose 0 (50%), 4 (25%), 8 (25%)"
+
+
+def test_bench_prompt_tokens(tiny_pair, tmp_path, one_thread):
+    """--prompt-tokens N: every prompt of the set reaches the decoders at exactly N tokens (short
+    ones repeated, long ones cut), the document says N, and greedy runs still match ar."""
+    tdir, ddir = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "tensor"}\n{"id": "b", "prompt": "' + "long prompt " * 40 + '"}\n')
+    out = tmp_path / "fit.json"
+    r = CliRunner().invoke(app, [
+        "bench", "--target", str(tdir), "--drafter", str(ddir), "--prompts", str(prompts), "--methods", "ar,ddtree",
+        "--budgets", "4", "--max-new-tokens", "6", "--devices", "cpu", "--dtype", "float32", "--warmup", "0",
+        "--prompt-tokens", "150", "--out", str(out)])
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    doc = read_json(out)
+    validate_document(doc)
+    assert doc["metadata"]["prompt_tokens"] == 150
+    for run in doc["runs"]:
+        assert [p["prompt_tokens"] for p in run["prompts"]] == [150, 150]
+    assert doc["runs"][1]["exact_match_vs_ar"] is True
+    bad = CliRunner().invoke(app, ["bench", "--target", str(tdir), "--prompt-tokens", "0"])
+    assert bad.exit_code == 2 and "--prompt-tokens" in bad.stderr

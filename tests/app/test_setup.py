@@ -76,3 +76,80 @@ def test_stdin_text_drops_one_newline(monkeypatch, text, want):
 
     monkeypatch.setattr("sys.stdin", io.StringIO(text))
     assert S.stdin_text() == want
+
+
+# ------------------------------------------------------------------------------- --prompt-tokens
+
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("templated", [False, True])
+def test_fit_prompt_exact_lengths(fixture_dir, templated):
+    """Every fixture prompt fits to exactly N tokens for N below, at and far above its length
+    (the real BPE merges across the seams of the repeated text); a templated prompt keeps the
+    template's head and its generation prompt, and the fitted text is the prompt's own, repeated."""
+    from ddtree.app.prompts import Prompt
+
+    tok = S.load_tokenizer(fixture_dir / "target")
+    if templated:
+        tok.chat_template = CHAT
+    spec = SimpleNamespace(tokenizer=tok)
+    prompts = load_prompts(str(fixture_dir / "prompts.jsonl"), 6)
+    prompts.append(Prompt(id="chat", messages=[{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": "def add(a, b):"}]))
+    for p in prompts:
+        base = S.encode_prompt(spec, p, raw=not templated, thinking=False)
+        content = p.text or p.messages[-1]["content"]
+        head = len(base) - len(tok.encode(content, add_special_tokens=False))  # the template's tokens
+        for n in (len(base) // 2, len(base), len(base) + 1, 3 * len(base) + 7, 2000):
+            if n <= head:
+                continue
+            ids = S.fit_prompt(spec, p, not templated, False, n)
+            assert len(ids) == n, (p.id, n)
+            if templated:
+                tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+                assert ids[-len(tail):] == tail and ids[:4] == base[:4], (p.id, n)
+            if n > 2 * len(base):  # the text repeats: its opening comes back
+                text = tok.decode(ids)
+                first = content[:12]
+                assert text.count(first) >= 2, (p.id, n)
+
+
+def test_fit_prompt_refuses_room_for_no_text(fixture_dir):
+    from ddtree.app.prompts import Prompt
+    from ddtree.errors import DDTreeError
+
+    tok = S.load_tokenizer(fixture_dir / "target")
+    tok.chat_template = CHAT
+    spec = SimpleNamespace(tokenizer=tok)
+    with pytest.raises(DDTreeError, match="--prompt-tokens 3 leaves no room"):
+        S.fit_prompt(spec, Prompt(id="x", text="def f(): pass"), False, False, 3)
+
+
+class _EvenTokenizer:
+    """Encodes to an even number of ids (pads odd texts with id 0): no text has an odd length,
+    so fit_prompt must fall back to fitting the ids themselves. Its chat template wraps the
+    user's text as <TEXT>A: (A: is the generation prompt)."""
+
+    chat_template = "<{{ content }}>A:"
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text] + ([0] if len(text) % 2 else [])
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids if i)
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, enable_thinking):
+        return "<" + messages[-1]["content"] + ">A:"
+
+
+@pytest.mark.parametrize("n", [7, 9, 41])
+def test_fit_prompt_when_no_text_has_the_length(n):
+    from ddtree.app.prompts import Prompt
+
+    spec = SimpleNamespace(tokenizer=_EvenTokenizer())
+    ids = S.fit_prompt(spec, Prompt(id="x", text="abcdefghij"), False, False, n)
+    assert len(ids) == n
+    assert ids[-3:] == [ord(c) for c in ">A:"] and ids[0] == ord("<")  # the template's head and end kept
+    assert set(ids[1:-3]) <= {ord(c) for c in "abcdefghij"} | {0}
