@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from loguru import logger
 
 from ddtree.decode.buffers import RoundOut, Slot
 from ddtree.model.drafter import DEFERRED_ROWS
@@ -273,13 +274,19 @@ class Auto(Policy):
     def read(self, r, out, T):
         ch, now = self.chooser, time.perf_counter()
         eq, depth_of = self.summary.pop(r) or ({}, {})
+        ms = (now - self.t_last) * 1e3
         if T == 1:  # a plain step
             depth = 0
-            ch.update_plain((now - self.t_last) * 1e3)
+            ch.update_plain(ms)
         else:
             depth = depth_of[T - 1]
-            ch.update(T - 1, eq[T - 1], out.n - 1, (now - self.t_last) * 1e3)
+            ch.update(T - 1, eq[T - 1], out.n - 1, ms)
         self.t_last = now
+        # --verbose: what auto chose and saw each round (formatted only when debug logs are on)
+        logger.opt(lazy=True).debug("auto round {}: budget {} ({}), {} tokens, E_q {}, {:.2f} ms, probe every {}",
+                                    lambda: r, lambda: T - 1, lambda: "plain" if T == 1 else "tree", lambda: out.n,
+                                    lambda: "-" if T == 1 else f"{eq[T - 1]:.2f}", lambda: ms,
+                                    lambda: ch.probe_every)
         nb, h = self.nb, out.extra
         if h[nb] >= 1:  # the step drafted a tree (its depth-of-one-node prefix is 1)
             cover = [b for b in self.budgets if b <= self.staged.get(r, nb)]

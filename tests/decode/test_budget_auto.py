@@ -217,3 +217,25 @@ def test_a_probe_is_answered_by_a_verified_tree_and_backs_off():
             runs.append(run)
             run = 0
     assert runs[:3] == [3, 6, 12], sizes
+
+
+def test_verbose_logs_one_line_per_auto_round():
+    """--verbose (debug logs): one line per round says the budget auto took, plain or tree, and
+    the tokens it committed; they agree with the round records."""
+    import re
+
+    from loguru import logger
+
+    dec, _ = build_random_pair("hybrid", seed=7)
+    prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="DEBUG", format="{message}", filter=lambda r: "auto round" in r["message"])
+    try:
+        rec = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=30)
+    finally:
+        logger.remove(sink)
+    got = [re.match(r"auto round (\d+): budget (\d+) \((plain|tree)\), (\d+) tokens", s).groups() for s in lines]
+    assert len(got) == len(rec.rounds) > 1
+    for i, ((r, b, kind, n), rr) in enumerate(zip(got, rec.rounds)):
+        assert int(r) == i and int(b) == rr.tree_size and (kind == "plain") == (rr.tree_size == 0)
+        assert int(n) == rr.committed
