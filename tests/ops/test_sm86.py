@@ -381,6 +381,13 @@ def test_kernel_compiles_for_sm86_within_its_shared_memory(sm86, model, kernel):
     assert not regs, f"more registers than an sm_86 block has: {regs}"
 
 
+def test_every_recorded_kernel_is_checked(sm86):
+    """A kernel a launcher starts launching is one the test above checks (KERNELS)."""
+    out, _ = sm86
+    seen = {j["fn"] for v in out.values() if not isinstance(v, str) for j, _ in v}
+    assert seen <= set(KERNELS), f"add to KERNELS: {sorted(seen - set(KERNELS))}"
+
+
 def test_largest_launches_compile_for_sm90_too(sm86):
     """For comparison: each kernel's largest sm_86 launch (per dot precision), compiled for sm_90."""
     _, cmp = sm86
