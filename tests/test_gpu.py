@@ -160,9 +160,10 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
 
 
 def test_tree_kernel_up_to_128_nodes_under_graphs_equals_torch_path():
-    """The tree-verify kernel (tree_kernel=on: up to 128 nodes, with and without the prologue) on
-    the GPU: compiled layers (the kernel runs between compiled pieces) inside CUDA graphs give the
-    torch path's greedy tokens for dflash and ddtree."""
+    """The tree-verify kernel (tree_kernel=on: up to 128 nodes, or as many as fit the GPU's shared
+    memory, 64 on sm_86; with and without the prologue) on the GPU: compiled layers (the kernel
+    runs between compiled pieces) inside CUDA graphs give the torch path's greedy tokens for
+    dflash and ddtree."""
     from ddtree.options import Options
 
     prompt = torch.randint(2, 97, (60,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -14,19 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.ops import triton_util
+from ddtree.ops import gdn_tree, triton_util
+from ddtree.ops.triton_util import tile  # noqa: F401  (re-exported: Kernels.tree's tiles)
 from ddtree.options import Options
 
-# Tree-verify kernel sizes: trees of up to this many nodes; with tree_kernel=auto also padded
-# nodes x key width at most TREE_TILE (an H200 measured 16 nodes at dk 128 and 32 at dk 64 faster
-# than tree_wy's cuBLAS path, 32 at dk 128 ~70 us per layer slower).
+# Tree-verify kernel sizes: trees of up to this many nodes (and no more than fit the device's
+# shared memory: gdn_tree.max_nodes); with tree_kernel=auto also padded nodes x key width at most
+# TREE_TILE. An H200 measured 16 nodes at dk 128 and 32 at dk 64 faster than tree_wy's cuBLAS
+# path, 32 at dk 128 ~70 us per layer slower. Ampere keeps 2048, unmeasured there: the larger
+# tiles already lost on the H200, and an sm_86 SM has the same register file (ptxas spills alike
+# on both) with less shared memory and about a quarter of the TF32 throughput, so the crossover
+# is not higher there.
 TREE_MAX_NODES = {"auto": 32, "on": 128, "off": 0}
 TREE_TILE = 2048
-
-
-def tile(n: int) -> int:
-    """A tile side for n rows or channels: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, 1 << (n - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,20 @@ class Kernels:
 REFERENCE = Kernels()  # every op on its torch twin
 
 
-def resolve(options: Options, device: torch.device | str) -> Kernels:
+def resolve(options: Options, device: torch.device | str, props=None) -> Kernels:
     """The Kernels a device gets under `options`: Triton on CUDA when it imports (and on CPU only
-    under the interpreter with triton_on_cpu)."""
+    under the interpreter with triton_on_cpu). props: stand-in device properties (tests of
+    another GPU's choices); default the device's own."""
     dev = torch.device(device)
     runs = triton_util.triton is not None and (dev.type == "cuda" or (options.triton_on_cpu and triton_util.interpreter_on()))
     tri = options.triton and runs
+    a = triton_util.Arch.from_props(props) if props is not None else triton_util.arch(dev)
     return Kernels(
         triton=tri,
         walk=tri and options.triton_walk,
-        tree_max_nodes=TREE_MAX_NODES[options.tree_kernel] if tri else 0,
+        tree_max_nodes=min(TREE_MAX_NODES[options.tree_kernel], gdn_tree.max_nodes(a)) if tri else 0,
         tree_tile=TREE_TILE if options.tree_kernel == "auto" else 1 << 30,
-        tree_precision=options.tree_precision if dev.type == "cuda" else "ieee",
+        tree_precision=triton_util.dot_precision(options.tree_precision, a),
         tree_prologue=options.tree_prologue if tri else 0,
         attention=_attention(options, tri),
         fla=options.fla and dev.type == "cuda",

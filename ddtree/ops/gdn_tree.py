@@ -12,8 +12,25 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.ops.dispatch import tile as _tile
-from ddtree.ops.triton_util import _kernel, _on_device_of, tl, triton
+from ddtree.ops import triton_util
+from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, tl, triton
+from ddtree.ops.triton_util import tile as _tile
+
+MAX_NODES = 128  # one program holds a whole tree: [T, T] tiles
+
+
+def max_nodes(a: Arch | None) -> int:
+    """The largest tree (a power of two <= MAX_NODES) whose kernel fits a block's shared memory on
+    `a`. The recurrence stages both [BT, BT] fp32 operands of A @ A there: 8 BT^2 bytes, a lower
+    bound of its need (dk 128: 48-56 KB at BT 64, 160 KB at 128 on sm_86; 224 KB at 128 on sm_90;
+    the prologue adds up to 24 KB at BT 64 on sm_86, 64 KB at 128 on sm_90: past Hopper's 227).
+    tests/ops/test_sm86.py compiles every tile this admits on sm_86, and the first it refuses."""
+    if a is None:  # the interpreter: no limit but the kernel's own
+        return MAX_NODES
+    bt = MAX_NODES
+    while bt > 16 and 8 * bt * bt > a.smem:
+        bt //= 2
+    return bt
 
 
 def _gdn_tree_kernel(
@@ -149,7 +166,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             *pro[:9],
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
             NSQ=max(0, (T - 1).bit_length() - 1), num_warps=8 if BT > 32 else 4,
-            PREC=precision if S0.is_cuda else "ieee",
+            PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
             PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
         )
     return o

@@ -1,6 +1,6 @@
 """Triton plumbing shared by every kernel of the project: the optional import, where a kernel
-may run (CUDA, or CPU tensors under Triton's interpreter for the tests), and the jitted-function
-cache.
+may run (CUDA, or CPU tensors under Triton's interpreter for the tests), the jitted-function
+cache, and what a device's properties decide about tiles (`Arch`).
 
 On CPU tensors the kernels run under Triton's interpreter (TRITON_INTERPRET=1 before triton's
 import, as tests/conftest.py sets it on machines without a GPU): that is how the tests compare
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -69,3 +70,54 @@ def _fix_interpreter_index() -> None:
 
     patched._ddtree_fixed = True
     interpreter._patch_lang_tensor = patched
+
+
+# ----------------------------------------------------------------------------- the device
+@dataclass(frozen=True)
+class Arch:
+    """What the kernels' tile choices read from a CUDA device (torch.cuda.get_device_properties):
+    compute capability, the shared memory one block may use (the opt-in maximum: 227 KB on
+    Hopper, 163 KB on A100, 99 KB on sm_86 / sm_89) and the SM count. Tests pass
+    `Arch.from_props` of a stand-in properties object to see the choices of a GPU they lack."""
+
+    major: int
+    minor: int
+    smem: int  # bytes of shared memory per block
+    sms: int
+
+    @classmethod
+    def from_props(cls, props) -> "Arch":
+        smem = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+        return cls(int(props.major), int(props.minor), int(smem), int(props.multi_processor_count))
+
+    @property
+    def cc(self) -> int:
+        return 10 * self.major + self.minor
+
+
+_ARCH: dict = {}
+
+
+def arch(device) -> Arch | None:
+    """The Arch of a CUDA device (read once), None elsewhere (CPU tensors: the interpreter)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    i = torch.cuda.current_device() if dev.index is None else dev.index
+    if i not in _ARCH:
+        _ARCH[i] = Arch.from_props(torch.cuda.get_device_properties(i))
+    return _ARCH[i]
+
+
+def dot_precision(requested: str, a: Arch | None) -> str:
+    """tl.dot's input_precision for fp32 tiles on `a`. tf32 and tf32x3 (three TF32 MMAs, which
+    Triton 3.6 decomposes for sm_80 and later) need TF32 tensor cores: sm_80+. Below that, and
+    under the interpreter (a is None), "ieee"."""
+    if requested in ("tf32", "tf32x3") and (a is None or a.major < 8):
+        return "ieee"
+    return requested
+
+
+def tile(n: int) -> int:
+    """A tile side for n rows or channels: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (n - 1).bit_length())
