@@ -99,9 +99,10 @@ _ARCH: dict = {}
 
 
 def arch(device) -> Arch | None:
-    """The Arch of a CUDA device (read once), None elsewhere (CPU tensors: the interpreter)."""
+    """The Arch of a CUDA device (read once), None elsewhere (CPU tensors: the interpreter; a
+    "cuda:i" named on a machine without CUDA, as `ddtree plan` does for GPUs elsewhere)."""
     dev = torch.device(device)
-    if dev.type != "cuda":
+    if dev.type != "cuda" or not torch.cuda.is_available():
         return None
     i = torch.cuda.current_device() if dev.index is None else dev.index
     if i not in _ARCH:
