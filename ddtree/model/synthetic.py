@@ -19,38 +19,35 @@ def tiny_hybrid_config(
     heads=4, kv_heads=2, head_dim=16, partial=0.5, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=8, gdn_v_dim=12,
     inter=96, theta=10000.0,
 ) -> dict:
-    """A Qwen3_5ForConditionalGeneration-style config (nested text_config)."""
-    return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+    """A Qwen3_5ForConditionalGeneration-style config: Qwen3.6-27B's (ddtree.model.presets), with
+    the sizes scaled down."""
+    from ddtree.model.presets import qwen36_27b_config
+
+    cfg = qwen36_27b_config()
+    tc = cfg["text_config"]
+    tc.update({
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": len(layers),
+        "layer_types": list(layers),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "linear_key_head_dim": gdn_k_dim,
+        "linear_value_head_dim": gdn_v_dim,
+        "linear_num_key_heads": gdn_k_heads,
+        "linear_num_value_heads": gdn_v_heads,
+        "max_position_embeddings": 4096,
+        "hidden_act": "silu",
+        "eos_token_id": 0,
         "tie_word_embeddings": False,
-        "text_config": {
-            "model_type": "qwen3_5_text",
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "intermediate_size": inter,
-            "num_hidden_layers": len(layers),
-            "layer_types": list(layers),
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "head_dim": head_dim,
-            "attn_output_gate": True,
-            "linear_conv_kernel_dim": 4,
-            "linear_key_head_dim": gdn_k_dim,
-            "linear_value_head_dim": gdn_v_dim,
-            "linear_num_key_heads": gdn_k_heads,
-            "linear_num_value_heads": gdn_v_heads,
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 4096,
-            "hidden_act": "silu",
-            "rope_parameters": {
-                "rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial,
-                "mrope_section": [1, 1, 0] if head_dim * partial <= 8 else [11, 11, 10], "mrope_interleaved": True,
-            },
-            "eos_token_id": 0,
-            "tie_word_embeddings": False,
-        },
-    }
+    })
+    tc["rope_parameters"].update({
+        "rope_theta": theta, "partial_rotary_factor": partial,
+        "mrope_section": [1, 1, 0] if head_dim * partial <= 8 else [11, 11, 10],
+    })
+    return cfg
 
 
 def tiny_dense_config(vocab=97, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, inter=96) -> dict:

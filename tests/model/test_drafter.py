@@ -25,21 +25,13 @@ def _one_thread(one_thread):  # tests/conftest.py: tiny models run on one thread
 # --------------------------------------------------------------------------------------------
 
 def base_raw(**root) -> dict:
-    """A z-lab style drafter config (Qwen3.6-27B-DFlash shapes); fields placed by the caller."""
-    raw = {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3",
-        "hidden_size": 5120,
-        "intermediate_size": 17408,
-        "num_hidden_layers": 5,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 262144,
-        "vocab_size": 248320,
-    }
+    """A z-lab style drafter config (Qwen3.6-27B-DFlash shapes, from the preset) without the fields
+    that differ between its revisions; the caller places them."""
+    from ddtree.model.presets import qwen36_27b_dflash_config
+
+    revision = ("rope_theta", "layer_types", "sliding_window", "block_size", "num_target_layers", "dflash_config")
+    raw = {k: v for k, v in qwen36_27b_dflash_config().items() if k not in revision}
+    raw["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
     raw.update(root)
     return raw
 
