@@ -270,11 +270,11 @@ def _ptxas_reason() -> str | None:
     return None
 
 
-_RESULTS: dict = {}  # job key -> result, for the session
+_RESULTS: dict = {}  # job key -> result, for this test process
 
 
 def compile_jobs(jobs: list[dict]) -> list[dict]:
-    """Compile each distinct job once (this session's memo, then Triton's own cache)."""
+    """Compile each distinct job once (this process's memo, then Triton's own cache)."""
     reason = _ptxas_reason()
     if reason:
         pytest.skip(reason)
