@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Two GPUs: one GPU vs layer split vs tensor parallelism (TP=2), random weights of a preset's
-exact shape. Prints AR tok/s and DDTree round time for each, the TP speedup, a float32 check that
-the split and TP=2 give the one-GPU greedy tokens (small random pair, all three methods). The
+"""Two GPUs: one GPU vs layer split (eager rounds, the default, and graph segments) vs tensor
+parallelism (TP=2), random weights of a preset's exact shape. Prints AR tok/s and DDTree round time
+for each, the TP speedup, a float32 check that both splits and TP=2 give the one-GPU greedy tokens
+(small random pair, all three methods). The
 2x RTX A6000 projection reads its JSON: scripts/project_a6000.py.
 
     python scripts/bench_multigpu.py --preset qwen3.6-27b --out results/multigpu.json
@@ -10,6 +11,7 @@ the split and TP=2 give the one-GPU greedy tokens (small random pair, all three 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -63,7 +65,9 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
         return [dec.generate(**gen_kwargs({}, j)).token_ids for j in jobs]
 
     one = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices[:1]), torch.float32, 512, seed=3)))
-    split = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices), torch.float32, 512, seed=3)))
+    pair = build_random_on_devices(raw_t, raw_d, list(devices), torch.float32, 512, seed=3)
+    split = tokens(Decoder(*pair))
+    split_graphed = tokens(Decoder(*pair, use_graphs=True)) if device_type == "cuda" else None
     target = build_random_target(raw_t, device=devices[0], seed=3, max_len=512)
     drafter = build_random_drafter(raw_d, target, device=devices[0], seed=4, max_len=512)
     ref = tokens(Decoder(target, drafter, 512))
@@ -76,6 +80,8 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
                       tp=2, device_type=device_type)
         recs = run_generate_tp_jobs(common, jobs)
         res = {"layer split = 1 device": dict(zip(names, (a == b for a, b in zip(one, split)))),
+               **({"layer split graphed = 1 device": dict(zip(names, (a == b for a, b in zip(one, split_graphed))))}
+                  if split_graphed is not None else {}),
                "TP=2 = 1 device": dict(zip(names, (r.token_ids == b for r, b in zip(recs, ref))))}
         if symm and device_type == "cuda":  # the same through symmetric-memory all-reduces (must set up)
             os.environ["DDTREE_TP_SYMM"] = "require"
@@ -107,12 +113,19 @@ def main():
     out = {"gpu": torch.cuda.get_device_name(0), "n_gpus": torch.cuda.device_count(), "date": time.strftime("%Y-%m-%d"),
            "preset": a.preset, "ctx": a.ctx, "tokens": a.tokens}
     res = {}
-    for name, devs in (("1 GPU", ["cuda:0"]), ("layer split", ["cuda:0", "cuda:1"])):
+    # the split as it runs by default (eager rounds), then in graph segments (DDTREE_SPLIT_GRAPHS=1's path)
+    for name, devs, graphed in (("1 GPU", ["cuda:0"], (None,)), ("layer split", ["cuda:0", "cuda:1"], (None, True))):
         t, d = build_random_on_devices(raw_t, raw_d, devs, torch.bfloat16, max_len)
-        dec = Decoder(t, d)
-        res[name] = summarize([dec.generate(**gen_kwargs({}, j)) for j in jobs_for(prompt, a.tokens)])
-        print(name, {k: v for k, v in res[name].items() if "tokens" not in k}, file=sys.stderr, flush=True)
-        del dec, t, d
+        for g in graphed:
+            row = name if g is None else f"{name} graphed"
+            dec = Decoder(t, d, use_graphs=g)
+            res[row] = summarize([dec.generate(**gen_kwargs({}, j)) for j in jobs_for(prompt, a.tokens)])
+            res[row]["graphs"] = dec.use_graphs
+            print(row, {k: v for k, v in res[row].items() if "tokens" not in k}, file=sys.stderr, flush=True)
+            del dec
+            gc.collect()
+        del t, d
+        gc.collect()
         torch.cuda.empty_cache()
     # TP=2 with NCCL's all-reduce, then through symmetric memory (DDTREE_TP_SYMM; workers inherit it)
     for name, symm in (("TP=2", "0"), ("TP=2 symm", "1")):

@@ -83,7 +83,7 @@ def bench(preset: str, devices: list[str], ctx: int, tokens: int) -> dict:
             dec = Decoder(target, drafter)
             res["unsplit"] = dict(measure(dec, prompt, tokens), graphs=dec.use_graphs, stages=stages)
         else:
-            dec = Decoder(target, drafter)
+            dec = Decoder(target, drafter, use_graphs=True)  # the graph segments (by default a split runs eager)
             assert dec.use_graphs and dec.split, "the split should run graphed segments"
             res["split graphed"] = dict(measure(dec, prompt, tokens), graphs=True, stages=stages)
             del dec
@@ -115,7 +115,7 @@ def exactness(devices: list[str], new_tokens: int = 32) -> dict:
     one = Decoder(*build_random_on_devices(raw_t, raw_d, devices[:1], torch.float32, 512, seed=3), compile=False)
     ref = {name_of(m, b): one.generate(prompt, m, budget=b, max_new_tokens=new_tokens).token_ids for m, b in runs}
     target, drafter = build_random_on_devices(raw_t, raw_d, devices, torch.float32, 512, seed=3)
-    graphed = Decoder(target, drafter, compile=False)
+    graphed = Decoder(target, drafter, use_graphs=True, compile=False)
     eager = Decoder(target, drafter, use_graphs=False, compile=False)
     assert graphed.use_graphs and graphed.split
     out = {}

@@ -41,7 +41,7 @@ def _check_split(devices):
     one = Decoder(*build_random_on_devices(RAW_T, RAW_D, ["cuda:0"], torch.float32, 512, seed=3))
     target, drafter = build_random_on_devices(RAW_T, RAW_D, devices, torch.float32, 512, seed=3)
     assert len(target.stages) == 2 and drafter.stage == 1, "the tiny pair's split: two stages, the drafter on the last"
-    seg = Decoder(target, drafter)
+    seg = Decoder(target, drafter, use_graphs=True)  # (a split graphs only when asked: options.split_graphs)
     eager = Decoder(target, drafter, use_graphs=False)
     assert seg.use_graphs and seg.compile, "a split on CUDA runs graphed segments over compiled layers"
     assert not eager.use_graphs and eager.compile, "its twin: eager rounds over compiled layers"
