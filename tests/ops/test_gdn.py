@@ -93,11 +93,15 @@ def test_chain_case_matches_chain_recurrent(T, seed, decay):
 @pytest.mark.parametrize("T,seed,k_heads", [(1, 0, 3), (9, 1, 1), (37, 2, 3), (70, 3, 1)])
 def test_chain_matches_transformers_gated_delta_rule(T, seed, k_heads):
     """transformers' token-by-token and chunked (chunk 64) torch references, incl. GQA in GDN
-    (fewer q/k heads than value heads, repeat_interleave'd)."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (
-        torch_chunk_gated_delta_rule,
-        torch_recurrent_gated_delta_rule,
-    )
+    (fewer q/k heads than value heads, repeat_interleave'd). Their torch functions themselves:
+    transformers wraps them to call fla when it imports (fla's Triton kernels need a GPU), unless
+    an earlier test's hf_reference already swapped the module's globals (torch_gdn_paths)."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_mod
+
+    torch_chunk_gated_delta_rule = inspect.unwrap(hf_mod.torch_chunk_gated_delta_rule)
+    torch_recurrent_gated_delta_rule = inspect.unwrap(hf_mod.torch_recurrent_gated_delta_rule)
 
     torch.manual_seed(seed)
     g_ = torch.Generator().manual_seed(seed)
