@@ -51,6 +51,17 @@ def _generate(dec: Decoder, method, budget, host: bool):
     return dec.generate(PROMPT, method, budget=budget, max_new_tokens=NEW)
 
 
+def _assert_runs_equal(dec, one_stage):
+    """Every run of RUNS on dec: the one-stage run's tokens and committed states, bitwise."""
+    for method, budget, host in RUNS:
+        rec = _generate(dec, method, budget, host)
+        tokens, state = one_stage[method, budget, host]
+        assert rec.token_ids == tokens, (method, budget, host)
+        got = committed_state(dec)
+        for k, v in state.items():
+            assert torch.equal(got[k], v), (method, budget, host, k)
+
+
 def committed_state(dec: Decoder) -> dict[str, torch.Tensor]:
     """Everything a generation leaves committed, per layer (comparable across stackings)."""
     t, d = dec.target, dec.drafter
@@ -91,13 +102,7 @@ def test_split_equals_one_stage(devices, one_stage):
     assert set(target.kv_stacks) == {of[i] for i, k in enumerate(kinds) if k == "full_attention"}
     dec = Decoder(target, drafter)
     assert not dec.use_graphs and dec.split
-    for method, budget, host in RUNS:
-        rec = _generate(dec, method, budget, host)
-        tokens, state = one_stage[method, budget, host]
-        assert rec.token_ids == tokens, (method, budget, host)
-        got = committed_state(dec)
-        for k, v in state.items():
-            assert torch.equal(got[k], v), (method, budget, host, k)
+    _assert_runs_equal(dec, one_stage)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -501,13 +506,7 @@ def test_graphed_rounds_replay_like_eager(devices, cpu_graphs, one_stage):
     eager one-stage run's tokens and committed states, for one graph per piece (one stage) and for
     segments with their hand-over copies (two stages: 2 segments per verify, 3 per step, ...)."""
     dec = Decoder(*_pair(devices), use_graphs=True, compile=False)
-    for method, budget, host in RUNS:
-        rec = _generate(dec, method, budget, host)
-        tokens, state = one_stage[method, budget, host]
-        assert rec.token_ids == tokens, (method, budget, host)
-        got = committed_state(dec)
-        for k, v in state.items():
-            assert torch.equal(got[k], v), (method, budget, host, k)
+    _assert_runs_equal(dec, one_stage)
     graphs = dec.graphs._graphs
     if len(devices) == 1:
         assert graphs and all(isinstance(g, FakeGraph) and g.ops for g in graphs.values())
