@@ -110,28 +110,6 @@ def time_per_call(launch, layers: int, target_s: float = 0.25, graph: bool = Tru
     return ms, mode
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy (bytes read + bytes written)."""
-    n = 1 << 29  # bf16 elements: 1 GiB
-    src = torch.empty(n, dtype=DT, device=DEV).normal_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ms = statistics.median(ts)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / (ms * 1e-3) / 1e9
-
-
 def layers_for(layer_bytes: int) -> int:
     """Enough cache layers that their K/V exceed L2 four times over (2..32)."""
     l2 = getattr(torch.cuda.get_device_properties(DEV), "L2_cache_size", 50 << 20) or (50 << 20)
@@ -388,7 +366,9 @@ def main():
     except Exception:
         meta["triton"] = None
     log(f"{meta}")
-    bw = copy_bandwidth()
+    from scripts.bench_engine import copy_bandwidth  # bytes read + written per second
+
+    bw = copy_bandwidth() / 1e9
     meta["copy_gbps"] = bw
     log(f"device copy: {bw:.0f} GB/s (read + write)")
     flex = None if args.no_flex else flex_fn()

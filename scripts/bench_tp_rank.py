@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -71,26 +70,6 @@ def parse_costs(spec: str) -> dict[str, float]:
 
 def log(msg: str, t0: float):
     print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def copy_bandwidth(gb: float = 4.0) -> float:
-    """Device-to-device copy, bytes read + written per second (the roofline's bandwidth)."""
-    n = int(gb * 2**30)
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n / (statistics.median(times) * 1e-3)
 
 
 def time_methods(dec: Decoder, prompt: list[int], methods: list[str], tokens: int, budget: int) -> dict:
@@ -278,6 +257,8 @@ def main():
         if res is not None:
             doc.update(res)
         out.write_text(json.dumps(doc, indent=2, default=str))
+
+    from scripts.bench_engine import copy_bandwidth
 
     doc["copy_GBps"] = copy_bandwidth() / 1e9
     save()
