@@ -36,6 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ddtree
 
 from ddtree.ops import attention as A  # noqa: E402
+from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
 
 DEV = torch.device("cuda:0")
 DT = torch.bfloat16
@@ -123,12 +124,7 @@ def bucket(n: int, b: int = 256) -> int:
 def random_tree_mask(T: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     parents = [-1] + [int(torch.randint(max(0, i - 4) if i % 3 else 0, i, (), generator=g)) for i in range(1, T)]
-    vis = torch.zeros(T, T, dtype=torch.bool)
-    for i in range(T):
-        if i:
-            vis[i, :i] = vis[parents[i], :i]
-        vis[i, i] = True
-    return vis
+    return ancestor_mask_from_parents(parents)
 
 
 # ----------------------------------------------------------------------------- tree / block

@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton not installed (pip install triton):
 
 from ddtree.ops import attention as A  # noqa: E402
 from ddtree.ops import triton_util  # noqa: E402
+from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
 from helpers import MaxErrors, assert_rel, tiny_cpu_each_test  # noqa: E402,F401
 
 DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -55,13 +56,8 @@ def nan_workspace(monkeypatch):
 
 # ----------------------------------------------------------------------------- inputs
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    T = len(parents)
-    vis = torch.zeros(T, T, dtype=torch.bool)
-    for i in range(T):
-        if i:
-            vis[i, :i] = vis[parents[i], :i]
-        vis[i, i] = True
-    return vis
+    """[T, T] bool, node i sees its ancestors and itself (the walk's and the verify's mask)."""
+    return ancestor_mask_from_parents(parents)
 
 
 def random_parents(T: int, kind: str, g: torch.Generator) -> list[int]:
