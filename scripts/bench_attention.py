@@ -334,7 +334,11 @@ def table() -> str:
     sweep = [r for r in RESULTS if r["kind"] == "split-sweep" and r["impl"].startswith("tree_attention") and "ms" in r]
     if sweep:
         lines.append("")
-        lines.append("split sweep (target, T=16): " + "  ".join(f"ctx={r['ctx']} splits={r['splits']}: {r['ms']:.4f}" for r in sweep))
+        lines.append("split sweep (target; * the rule's choice):")
+        for key in dict.fromkeys((r["ctx"], r["T"]) for r in sweep):
+            rows = [r for r in sweep if (r["ctx"], r["T"]) == key]
+            lines.append(f"  ctx={key[0]} T={key[1]}: " + "  ".join(
+                f"{'*' if r['impl'] == 'tree_attention' else ''}{r['splits']}: {r['ms']:.4f}" for r in rows))
     return "\n".join(lines)
 
 
@@ -345,7 +349,11 @@ def main():
     ap.add_argument("--trees", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     ap.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--prefill-prefixes", type=int, nargs="+", default=[0, 32768, 131072])
-    ap.add_argument("--sweep-ctx", type=int, default=32768, help="context of the split-count sweep (T=16)")
+    ap.add_argument("--sweep-ctx", type=int, nargs="*", default=[32768, 131072],
+                    help="contexts of the split-count sweep (none: skip it)")
+    ap.add_argument("--sweep-trees", type=int, nargs="+", default=[16, 32, 64], help="tree sizes of the sweep")
+    ap.add_argument("--sweep-splits", type=int, nargs="+", default=[0, 4, 8, 12, 16, 17, 24, 32, 48, 64],
+                    help="split counts the rule is compared with (0: one program per row tile)")
     ap.add_argument("--flex-contexts", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new measurements after this")
@@ -390,14 +398,17 @@ def main():
             if over_budget(args):
                 break
             bench_prefill(args, T, start, backends)
-    # 4. the split rule against fixed counts (T=16)
-    if not over_budget(args) and args.sweep_ctx:
-        before = len(RESULTS)
-        bench_tree(args, "split-sweep", args.sweep_ctx, 16, 24, 4, 256, random_tree_mask(16, 16), None, True, bw,
-                   splits_list=(None, 0, 4, 8, 16, 32, 64), time_twin=False)
-        for r in RESULTS[before:]:
-            if r["impl"].startswith("tree_attention["):
-                r["splits"] = int(r["impl"].split("=")[1].rstrip("]"))
+    # 4. the split rule against fixed counts, per context and tree size
+    for ctx in args.sweep_ctx:
+        for T in args.sweep_trees:
+            if over_budget(args):
+                break
+            before = len(RESULTS)
+            bench_tree(args, "split-sweep", ctx, T, 24, 4, 256, random_tree_mask(T, T), None, True, bw,
+                       splits_list=(None, *args.sweep_splits), time_twin=False)
+            for r in RESULTS[before:]:
+                if r["impl"].startswith("tree_attention["):
+                    r["splits"] = int(r["impl"].split("=")[1].rstrip("]"))
     # 5. FlexAttention (each shape a compile: last, and only with a minute of budget left)
     if flex is not None:
         for ctx in args.flex_contexts:
