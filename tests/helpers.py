@@ -46,6 +46,19 @@ def tiny_cpu():
         torch.set_num_threads(n)
 
 
+def kernel_device() -> torch.device:
+    """Where the Triton kernel tests run: the GPU, else the CPU under Triton's interpreter. Called at
+    a test module's import: the module is skipped when the interpreter was not switched on before
+    triton's import (tests/conftest.py does that on machines without a GPU)."""
+    from ddtree.ops import triton_util
+
+    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu" and not triton_util.interpreter_on():
+        pytest.skip("TRITON_INTERPRET=1 was not set before triton's import (tests/conftest.py sets it without a GPU)",
+                    allow_module_level=True)
+    return dev
+
+
 # ----------------------------------------------------------------------------- comparisons
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| / max |ref| (in float64)."""

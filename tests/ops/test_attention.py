@@ -18,14 +18,10 @@ import torch
 pytest.importorskip("triton", reason="triton not installed (pip install triton): its interpreter runs these on CPU")
 
 from ddtree.ops import attention as A  # noqa: E402
-from ddtree.ops import triton_util  # noqa: E402
 from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
-from helpers import MaxErrors, assert_rel, tiny_cpu_each_test  # noqa: E402,F401
+from helpers import MaxErrors, assert_rel, kernel_device, tiny_cpu_each_test  # noqa: E402,F401
 
-DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and not triton_util.interpreter_on():
-    pytest.skip("TRITON_INTERPRET=1 was not set before triton's import (tests/conftest.py sets it without a GPU)",
-                allow_module_level=True)
+DEV = kernel_device()
 ERR = MaxErrors()
 TOL = 1e-5  # fp32: max |fast - twin| / max |twin|
 

@@ -10,15 +10,12 @@ import torch
 pytest.importorskip("triton", reason="triton not installed (pip install triton): its interpreter runs these on CPU")
 
 from ddtree.options import Options  # noqa: E402
-from ddtree.ops import commit, gdn, gdn_tree, triton_util  # noqa: E402
+from ddtree.ops import commit, gdn, gdn_tree  # noqa: E402
 from ddtree.model.synthetic import build_random_pair, build_random_target, tiny_hybrid_config  # noqa: E402
 from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
-from helpers import MaxErrors, assert_rel, rel_err, tiny_cpu_each_test  # noqa: E402,F401
+from helpers import MaxErrors, assert_rel, kernel_device, rel_err, tiny_cpu_each_test  # noqa: E402,F401
 
-DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and not triton_util.interpreter_on():
-    pytest.skip("TRITON_INTERPRET=1 was not set before triton's import (tests/conftest.py sets it without a GPU)",
-                allow_module_level=True)
+DEV = kernel_device()
 ERR = MaxErrors()
 
 # tiny: non-power-of-two dv (masked lanes), 2 value heads per key head; wide: the 27B layout

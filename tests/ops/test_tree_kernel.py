@@ -8,15 +8,12 @@ import torch
 
 pytest.importorskip("triton", reason="triton not installed (pip install triton): its interpreter runs these on CPU")
 
-from ddtree.ops import triton_util  # noqa: E402
 from ddtree.ops.tree import ancestor_mask_from_parents, build_tree, build_tree_device, device_tree_fits  # noqa: E402
 from ddtree.decode.budget import expected_accepts  # noqa: E402
 from ddtree.ops.tree_kernel import build_tree_kernel, pruned_pairs, tree_summary  # noqa: E402
+from helpers import kernel_device  # noqa: E402
 
-DEV = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-if DEV.type == "cpu" and not triton_util.interpreter_on():
-    pytest.skip("TRITON_INTERPRET=1 was not set before triton's import (tests/conftest.py sets it without a GPU)",
-                allow_module_level=True)
+DEV = kernel_device()
 
 
 def _configs(n: int, seed: int, real: bool = True):
