@@ -59,6 +59,18 @@ def kernel_device() -> torch.device:
     return dev
 
 
+def tensors_in(x):
+    """Every tensor inside nested lists, tuples and dict values."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from tensors_in(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from tensors_in(y)
+
+
 # ----------------------------------------------------------------------------- comparisons
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| / max |ref| (in float64)."""

@@ -23,7 +23,7 @@ from ddtree.decode.decoder import Decoder
 from ddtree.decode.graphs import HostCommitKey, HostDraftKey, PrefixKey, StepKey, VerifyKey
 from ddtree.model.stages import StageHook
 from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config, tiny_hybrid_config
-from helpers import AUTO_CYCLE, forced_chooser
+from helpers import AUTO_CYCLE, forced_chooser, tensors_in
 
 RAW_T = tiny_hybrid_config(layers=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3
                            + ("full_attention",))
@@ -236,7 +236,7 @@ class StageAudit(TorchDispatchMode):
         if self.quiet:
             return out
         ins = {}  # storage -> a tensor on it
-        for x in _tensors_in((args, kwargs)):
+        for x in tensors_in((args, kwargs)):
             p = _ptr(x)
             if p is not None:
                 ins.setdefault(p, x)
@@ -249,10 +249,10 @@ class StageAudit(TorchDispatchMode):
                     if owners is None or self.stage not in owners:
                         self.errors.append(f"{self.piece}: {func} on stage {self.stage} touches a tensor "
                                            f"{tuple(x.shape)} of {set(owners) if owners else 'unknown'}")
-                for x in _tensors_in(self._written(func, args, kwargs)):
+                for x in tensors_in(self._written(func, args, kwargs)):
                     if _ptr(x) in self.readonly:
                         self.errors.append(f"{self.piece}: {func} writes a handed-over tensor {tuple(x.shape)}")
-        for x in _tensors_in(out):
+        for x in tensors_in(out):
             p = _ptr(x)
             if p is not None and p not in ins:
                 if self.piece is not None and self.stage is not None:
@@ -271,17 +271,6 @@ class StageAudit(TorchDispatchMode):
             idx = cls._writes[func] = [i for i, a in enumerate(func._schema.arguments)
                                        if a.alias_info is not None and a.alias_info.is_write]
         return [args[i] for i in idx if i < len(args)] + [v for k, v in kwargs.items() if k == "out"]
-
-
-def _tensors_in(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors_in(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors_in(y)
 
 
 class AuditHook(StageHook):

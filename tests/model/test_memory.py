@@ -30,7 +30,7 @@ from ddtree.model.placement import EXACT_ROWS, Workload, gpu_rows, _layers, plac
 from ddtree.model.synthetic import build_random_pair, randomize_, tiny_dense_config, tiny_drafter_config, tiny_hybrid_config
 from ddtree.model.target import Chunk, TargetModel
 
-from helpers import tiny_cpu_each_test  # noqa: F401  (autouse: one thread, no_grad)
+from helpers import tensors_in, tiny_cpu_each_test  # noqa: F401  (autouse: one thread, no_grad)
 
 HYBRID_LAYERS = ("linear_attention", "linear_attention", "full_attention", "linear_attention",
                  "full_attention", "linear_attention", "linear_attention", "full_attention")
@@ -48,23 +48,12 @@ def _storage_bytes(tensors) -> dict:
     return out
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
 def _held(target: TargetModel, drafter: DFlashDrafter | None, deferred: DeferredContext | None = None):
     """(parameters, derived constants, state buffers) of a built pair, as tensor lists."""
     params = list(target.parameters()) + (list(drafter.parameters()) if drafter is not None else [])
     derived = [t for mod in (target, drafter) if mod is not None for m in mod.modules()
-               for k, v in m.__dict__.items() if k in ("_w_eff", "_c", "_wgu", "_wqkv", "_win") for t in _tensors(v)]
-    state = list(_tensors([target.kv_stacks, target._rope]))
+               for k, v in m.__dict__.items() if k in ("_w_eff", "_c", "_wgu", "_wqkv", "_win") for t in tensors_in(v)]
+    state = list(tensors_in([target.kv_stacks, target._rope]))
     for g in target.gdn_groups.values():
         state += [g.state, g.conv, g.kbuf, g.ubuf, g.cbuf, g.ebuf]
     if drafter is not None:
