@@ -249,6 +249,84 @@ def bench_tree(args, kind, ctx, T, H, KVH, D, tree_mask, window, causal, bw, fle
     torch.cuda.empty_cache()
 
 
+# ----------------------------------------------------------------------------- tiles and FA2
+# Row tile x key tile x warps x stages tried by --tile-sweep on the target's head dim (256); each
+# is compiled only where its shared-memory estimate fits the device (A._smem_estimate).
+SWEEP_TILES = [A.Tiles(*t) for t in (
+    (16, 32, 4, 3), (16, 32, 4, 4), (16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 8, 3), (16, 128, 4, 2), (16, 128, 8, 2),
+    (32, 32, 4, 3), (32, 64, 4, 3), (32, 64, 8, 3), (64, 32, 4, 3), (64, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 2),
+    (128, 32, 8, 2), (128, 32, 8, 3))]
+
+
+def bench_tiles(args, ctx, T, bw, sms):
+    """tree_attention at one (context, tree) over SWEEP_TILES, each with the split counts that fill
+    1, 2 and 3 programs per SM (A.num_splits with per_sm), against the default (rule) choice; and
+    the prefix alone through SDPA's FlashAttention-2 (varlen, seqused_k) for comparison."""
+    H, KVH, D = 24, 4, 256
+    rows = T * (H // KVH)
+    kv_len = bucket(ctx + T)
+    L = layers_for(kv_len * KVH * D * 4)
+    cache = Cache(L, kv_len, KVH, D)
+    kv_bytes = (ctx + T) * KVH * D * 4
+    base = dict(kind="tile-sweep", ctx=ctx, T=T, H=H, KVH=KVH, D=D, kv_len=kv_len, window=None, causal=True, layers=L,
+                kv_bytes=kv_bytes)
+    q = torch.randn(T, H, D, device=DEV, dtype=DT)
+    st = torch.tensor(ctx, device=DEV)
+    tm = random_tree_mask(T, T).to(DEV)
+    ref = A.tree_attention_reference(q, cache.k[0], cache.v[0], st, tm, kv_len)
+    out = torch.empty(L, T, H, D, device=DEV, dtype=DT)
+    hopper = torch.cuda.get_device_capability(DEV)[0] >= 9
+    limit = A._smem_limit(DEV) - A._SMEM_RESERVE
+    runs = [(None, None)]
+    for t in SWEEP_TILES:
+        if t.bm > max(16, A._pow2(rows)) or A._smem_estimate(t, D, 2, hopper) > limit:
+            continue
+        for per_sm in (1, 2, 3):
+            ns = A.num_splits(kv_len, rows, KVH, t.bm, sms, per_sm)
+            if (t, ns) not in runs:
+                runs.append((t, ns))
+    for t, ns in runs:
+        if over_budget(args):
+            log("budget spent: tile sweep cut short")
+            break
+        name = "tree_attention" if t is None else f"tree_attention[{t.bm},{t.bn},{t.warps},{t.stages}|{ns}]"
+        try:
+            def fast(i, t=t, ns=ns):
+                A.tree_attention(q, cache.k[i], cache.v[i], st, tm, kv_len, out=out[i], splits=ns, tiles=t)
+
+            ms, mode = time_per_call(fast, L, target_s=0.1)
+            r = record(**base, impl=name, ms=ms, mode=mode, gbps=kv_bytes / (ms * 1e-3) / 1e9,
+                       rel_err=rel_err(out[0], ref), splits=ns, tiles=None if t is None else vars(t))
+            r["frac_copy_bw"] = r["gbps"] / bw
+            log(f"tiles ctx={ctx} T={T} {name}: {ms:.4f} ms ({r['frac_copy_bw']:.0%} of copy), err {r['rel_err']:.1e}")
+        except Exception as e:
+            log(f"tiles ctx={ctx} T={T} {name} FAILED: {type(e).__name__}: {str(e)[:160]}")
+            record(**base, impl=name, error=f"{type(e).__name__}: {e}")
+    # the committed prefix alone through FA2 varlen: q packed as [T*G, KVH, D], keys [0, start)
+    qp = q.view(T, KVH, H // KVH, D).transpose(1, 2).reshape(rows, KVH, D).contiguous()
+    cu_q = torch.tensor([0, rows], device=DEV, dtype=torch.int32)
+    cu_k = torch.tensor([0, kv_len], device=DEV, dtype=torch.int32)
+    used = torch.tensor([ctx], device=DEV, dtype=torch.int32)
+    for nsp in (None, 0, 8, 16, 32, 64, 128):
+        name = f"fa2-prefix[num_splits={nsp}]"
+        try:
+            kw = {} if nsp is None else {"num_splits": nsp}
+
+            def fa(i, kw=kw):
+                torch.ops.aten._flash_attention_forward(qp, cache.k[i], cache.v[i], cu_q, cu_k, rows, kv_len, 0.0,
+                                                        False, False, seqused_k=used, **kw)
+
+            ms, mode = time_per_call(fa, L, target_s=0.1)
+            r = record(**base, impl=name, ms=ms, mode=mode, gbps=ctx * KVH * D * 4 / (ms * 1e-3) / 1e9)
+            r["frac_copy_bw"] = r["gbps"] / bw
+            log(f"tiles ctx={ctx} T={T} {name}: {ms:.4f} ms ({r['frac_copy_bw']:.0%} of copy)")
+        except Exception as e:
+            log(f"tiles ctx={ctx} T={T} {name} FAILED: {type(e).__name__}: {str(e)[:200]}")
+            record(**base, impl=name, error=f"{type(e).__name__}: {e}")
+    del cache, out
+    torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------- prefill
 def bench_prefill(args, T, start, backends):
     H, KVH, D = 24, 4, 256
@@ -331,6 +409,20 @@ def table() -> str:
         for be, r in d.items():
             cells.append(f"{be} " + (f"{r['ms']:.2f}/{r['tflops']:.0f}" if "ms" in r else "FAILED"))
         lines.append(f"T={T:>5} prefix={ctx:>7}: " + "  ".join(cells))
+    tiles = [r for r in RESULTS if r["kind"] == "tile-sweep" and "ms" in r]
+    if tiles:
+        lines.append("")
+        lines.append("tile sweep (target, ms per layer; rule: the default choice; fa2: the prefix alone):")
+        for key in dict.fromkeys((r["ctx"], r["T"]) for r in tiles):
+            rows = sorted((r for r in tiles if (r["ctx"], r["T"]) == key), key=lambda r: r["ms"])
+            rule = [r for r in rows if r["impl"] == "tree_attention"]
+            fa2 = [r for r in rows if r["impl"].startswith("fa2")]
+            lines.append(f"  ctx={key[0]} T={key[1]}: rule {rule[0]['ms']:.4f} ({rule[0]['frac_copy_bw']:.0%})" if rule else
+                         f"  ctx={key[0]} T={key[1]}:")
+            for r in [r for r in rows if r["impl"].startswith("tree_attention[")][:5]:
+                lines.append(f"      {r['impl']:40s} {r['ms']:.4f} ms {r['frac_copy_bw']:5.0%}")
+            if fa2:
+                lines.append(f"      best {fa2[0]['impl']:35s} {fa2[0]['ms']:.4f} ms {fa2[0]['frac_copy_bw']:5.0%}")
     sweep = [r for r in RESULTS if r["kind"] == "split-sweep" and r["impl"].startswith("tree_attention") and "ms" in r]
     if sweep:
         lines.append("")
@@ -354,6 +446,10 @@ def main():
     ap.add_argument("--sweep-trees", type=int, nargs="+", default=[16, 32, 64], help="tree sizes of the sweep")
     ap.add_argument("--sweep-splits", type=int, nargs="+", default=[0, 4, 8, 12, 16, 17, 24, 32, 48, 64],
                     help="split counts the rule is compared with (0: one program per row tile)")
+    ap.add_argument("--tile-ctx", type=int, nargs="*", default=[],
+                    help="contexts of the tile sweep (SWEEP_TILES x split counts, and FA2 on the prefix; none: skip)")
+    ap.add_argument("--tile-trees", type=int, nargs="+", default=[1, 16, 32, 64], help="tree sizes of the tile sweep")
+    ap.add_argument("--only-tiles", action="store_true", help="run only the tile sweep")
     ap.add_argument("--flex-contexts", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new measurements after this")
@@ -378,6 +474,13 @@ def main():
     flex = None if args.no_flex else flex_fn()
     torch.manual_seed(0)
 
+    sms = props.multi_processor_count
+    for ctx in args.tile_ctx:  # 0. tiles and split counts against FA2 (first: it decides the table)
+        for T in args.tile_trees:
+            bench_tiles(args, ctx, T, bw, sms)
+    if args.only_tiles:
+        args.contexts = args.sweep_ctx = args.chunks = []
+        flex = None
     # 1. target tree verify / AR step
     for ctx in args.contexts:
         for T in args.trees:

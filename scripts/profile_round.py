@@ -7,7 +7,8 @@ kernels per round, summed kernel time per round, wall time per round (the differ
 device idling on the host or on launch gaps), and the kernels that cost the most per round.
 On a small target every kernel launch counts; this shows which pieces to fuse. `--graphs` also
 replays every captured graph on its own (verify per tree size, the step after it) with its
-kernels; `--preset qwen3.6-27b` profiles random full-size weights instead. Example:
+kernels; `--preset qwen3.6-27b` profiles random full-size weights instead; `--prefill 8192,32768`
+profiles the prefill at those prompt lengths instead of rounds (kernel time per category). Example:
     python scripts/profile_round.py --target ../shared/fixtures/codepair/target \
         --drafter ../shared/fixtures/codepair/drafter --methods ar,dflash,ddtree:16 --out results/profile.json
 """
@@ -70,6 +71,61 @@ def graph_table(dec: Decoder, prof_cls, top: int) -> list[dict]:
     return rows
 
 
+# kernel-name fragments -> what the prefill profile sums them under (first match wins)
+CATEGORIES = (("attention (flash)", ("flash", "fmha", "attn")),
+              ("GDN (fla)", ("chunk", "gated_delta", "solve_tril", "recompute_w_u", "kkt", "cumsum", "l2norm", "wy")),
+              ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90", "sm80")),
+              ("norm / reduce", ("norm", "reduce")),
+              ("copy / cat", ("copy", "cat", "index", "gather", "scatter")),
+              ("elementwise", ("elementwise", "vectorized", "triton")))
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def prefill_profile(dec: Decoder, lengths: list[int], top: int, vocab: int) -> dict:
+    """Each prompt length prefilled once warm, then once under the profiler: wall time, summed
+    kernel time, the kernels that cost most and the time per category (CATEGORIES)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ddtree.decode.sampling import SamplingParams
+
+    out = {}
+    for L in lengths:
+        ids = torch.randint(10, min(vocab, 50000), (L,), generator=torch.Generator().manual_seed(L)).tolist()
+        job = dec.job("ddtree", 32, SamplingParams(), 8, 0, False, L)
+        dec.prefill(ids, job)  # warm: JIT and allocator
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pre = dec.prefill(ids, job)
+        wall = time.perf_counter() - t0
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dec.prefill(ids, job)
+            torch.cuda.synchronize()
+        per = collections.defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name[:100]][0] += 1
+                per[e.name[:100]][1] += e.device_time_total
+        busy = sum(v[1] for v in per.values()) / 1e3
+        cats = collections.defaultdict(float)
+        for name, (_, us) in per.items():
+            cats[category(name)] += us / 1e3
+        r = out[L] = {"ttft_s": pre.ttft_s, "wall_s": wall, "kernel_ms": busy, "tok_s": L / wall,
+                      "chunk": dec.target.prefill_chunk(),
+                      "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+                      "top": [{"name": k, "n": v[0], "ms": v[1] / 1e3} for k, v in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]]}
+        print(f"== prefill {L} tokens (chunk {r['chunk']}): wall {wall:.3f} s ({L / wall:.0f} tok/s), "
+              f"kernel time {busy / 1e3:.3f} s")
+        for c, ms in r["categories_ms"].items():
+            print(f"   {ms:9.1f} ms  {100 * ms / busy:5.1f}%  {c}")
+        for t in r["top"]:
+            print(f"   {t['ms']:9.2f} ms  x{t['n']:5d}  {t['name']}")
+    return out
+
+
 def main():
     root = Path(__file__).resolve().parents[1]
     fx = root.parent / "shared" / "fixtures" / "codepair"
@@ -88,6 +144,8 @@ def main():
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
                     help="random weights of a full-size preset instead of --target/--drafter (a random prompt)")
     ap.add_argument("--context", type=int, default=1024, help="prompt length with --preset")
+    ap.add_argument("--prefill", default=None,
+                    help="comma-separated prompt lengths: profile the prefill at each (kernels, categories) instead of rounds")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_round.py needs a CUDA GPU")
@@ -97,7 +155,8 @@ def main():
     dev = torch.device("cuda:0")
     if a.preset:
         mk_t, mk_d = PRESETS[a.preset]
-        target, drafter = build_random_on_devices(mk_t(), mk_d(), [dev], torch.bfloat16, a.context + 512)
+        longest = max([a.context] + [int(x) for x in (a.prefill or "0").split(",")])
+        target, drafter = build_random_on_devices(mk_t(), mk_d(), [dev], torch.bfloat16, longest + 512)
         ids = torch.randint(10, 1000, (a.context,)).tolist()
     else:
         target, _ = load_target(a.target, [dev], torch.bfloat16, 4096)
@@ -107,6 +166,11 @@ def main():
         ids = tok(load_prompts(prompts)[0].text)["input_ids"][:512]
     dec = Decoder(target, drafter)
     report = {}
+    if a.prefill:
+        report["prefill"] = prefill_profile(dec, [int(x) for x in a.prefill.split(",")], a.top, target.cfg.vocab_size)
+        if a.out:
+            Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "report": report}, indent=1))
+        return
     for spec in a.methods.split(","):
         method, _, b = spec.partition(":")
         budget = (b if b == "auto" else int(b)) if b else 32

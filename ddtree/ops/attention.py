@@ -13,15 +13,17 @@ query t when
 
 `tree_attention` (Triton). Per KV head, the G query heads of all T nodes are M = T * G rows of one
 matrix (row m = t * G + g), so a tile of K/V read once serves every node and query head of its
-group. Grid (m-tiles, splits + 1, KVH):
+group. Grid (m-tiles, splits, KVH):
 
 * split s < NS: the prefix keys [lo, hi) of the s-th of NS equal ranges of [p0, start)
   (p0 = max(0, start - W + 1) with a window, else 0), computed on the device from `start`:
   no mask but the range's end (and the window). Flash-decoding: each program keeps the
   online-softmax state (running max m, sum l, unnormalized acc [BM, D], fp32) of its rows.
-* split NS: the tree keys start..start+T-1 under the ancestor mask.
-* each writes (acc, m, l) to a workspace [NS + 1, KVH, M, D]; a second kernel merges the
-  NS + 1 partials of every row by log-sum-exp and writes o [T, H, D] in q's dtype.
+* the last split (s = NS - 1) then also reads the tree keys start..start+T-1 under the ancestor
+  mask: no program of its own, so the grid is exactly m-tiles x NS x KVH (a program more per
+  (m-tile, KV head) would start a second, nearly empty wave).
+* each writes (acc, m, l) to a workspace [NS, KVH, M, D]; a second kernel merges the NS
+  partials of every row by log-sum-exp and writes o [T, H, D] in q's dtype.
 
 When one split suffices (short contexts, or enough m-tiles to fill the GPU) a single program per
 (m-tile, KV head) walks the prefix and then the tree and writes o itself (no workspace, no merge).
@@ -189,15 +191,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_splits(read_len: int, rows: int, kv_heads: int, bm: int, sms: int) -> int:
+def num_splits(read_len: int, rows: int, kv_heads: int, bm: int, sms: int, per_sm: int = 1) -> int:
     """How many ranges the prefix is split into (0: one program per (m-tile, KV head) does the
     prefix and the tree and writes o itself). read_len: a host bound on the prefix keys read
-    (kv_len, or the window). Enough programs for one wave over the SMs (m-tiles x KV heads x
-    splits >= SM count), but no split shorter than MIN_SPLIT_KEYS keys nor than 4 keys per query
+    (kv_len, or the window). As many programs as fit one wave (m-tiles x KV heads x splits <=
+    SM count x per_sm, the programs resident per SM): a wave more for a few programs costs a
+    whole split's time. No split shorter than MIN_SPLIT_KEYS keys nor than 4 keys per query
     row: a split's partials (rows x D fp32, written and read back) stay a small fraction of the
     K/V it reads (keys x D x 2 x 2 bytes)."""
     units = _cdiv(rows, bm) * kv_heads
-    want = _cdiv(sms, units)
+    want = sms * per_sm // units
     most = read_len // max(MIN_SPLIT_KEYS, 4 * rows)
     ns = min(want, most, MAX_SPLITS)
     return ns if ns >= 2 else 0
@@ -235,7 +238,7 @@ def _attn_fwd_kernel(
         hi = end
     else:
         chunk = tl.cdiv(tl.cdiv(tl.maximum(end - p0, 0), NS), BN) * BN
-        lo = p0 + split * chunk  # the tree's program (split == NS) gets an empty range
+        lo = p0 + split * chunk
         hi = tl.minimum(lo + chunk, end)
     kb = kc + kvh * s_kh
     vb = vc + kvh * s_vh
@@ -270,7 +273,7 @@ def _attn_fwd_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # ---- the tree (or block): keys start..start+T-1 under its mask
-    if split == NS:
+    if split == NS - 1:  # the last split (FUSED: NS == 1, the one program) reads the tree too
         t_hi = T
         if TREE == 1:  # causal: this tile's last node sees no key past itself
             t_hi = tl.minimum(T, (pid_m * BM + BM - 1) // G + 1)
@@ -312,7 +315,7 @@ def _attn_fwd_kernel(
         r = (split * KVH + kvh).to(tl.int64) * MP + om  # [BM] row of the workspace
         tl.store(ws_acc + r[:, None] * D + od[None, :], acc, mask=row_ok[:, None])
         tl.store(ws_ml + r, m_i, mask=row_ok)
-        tl.store(ws_ml + (NS + 1) * KVH * MP + r, l_i, mask=row_ok)
+        tl.store(ws_ml + NS * KVH * MP + r, l_i, mask=row_ok)
 
 
 def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
@@ -403,15 +406,15 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
             ns = max(ns, min(128, read_len // FP32_SPLIT_KEYS))  # FP32_SPLIT_KEYS keys keeps its rounding near the twin's
         ns = 0 if ns <= 1 else ns
         if ns:
-            ws_acc = _workspace((ns + 1) * KVH * rows * D, dev)  # [NS + 1, KVH, rows, D]
-            ws_ml = _workspace(2 * (ns + 1) * KVH * rows, dev)  # m then l: [2, NS + 1, KVH, rows]
+            ws_acc = _workspace(ns * KVH * rows * D, dev)  # [NS, KVH, rows, D]
+            ws_ml = _workspace(2 * ns * KVH * rows, dev)  # m then l: [2, NS, KVH, rows]
         else:
             ws_acc = ws_ml = out  # unused
         try:
             with _on_device_of(q):
-                kern[(_cdiv(rows, tt.bm), ns + 1, KVH)](
+                kern[(_cdiv(rows, tt.bm), max(ns, 1), KVH)](
                     q, k_cache, v_cache, start, tm, start if q_pos is None else q_pos, out, ws_acc, ws_ml,
-                    T, kv_len, int(window or 0), ns, sc,
+                    T, kv_len, int(window or 0), max(ns, 1), sc,
                     q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                     v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
                     G=G, D=D, BM=tt.bm, BN=tt.bn, TREE=mode, WINDOW=window is not None, TWO_SIDED=not causal,
@@ -419,7 +422,7 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
                 )
                 if ns:
                     bmm = max(2, min(4096 // D, _pow2(rows)))
-                    merge[(_cdiv(rows, bmm), KVH)](ws_acc, ws_ml, out, T, ns + 1, out.stride(0), out.stride(1),
+                    merge[(_cdiv(rows, bmm), KVH)](ws_acc, ws_ml, out, T, ns, out.stride(0), out.stride(1),
                                                    G=G, D=D, BMM=bmm, num_warps=4)
             return out
         except Exception as e:  # a tile too big for this GPU's shared memory: the next one

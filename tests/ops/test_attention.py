@@ -236,15 +236,17 @@ def test_prefill_reference_is_the_lower_right_causal_mask():
 
 # ----------------------------------------------------------------------------- rules
 def test_split_rule():
-    """Few splits at 1K, enough programs to fill 132 SMs at 128K, none needed for a wide tree at
-    a short context; windowed calls are sized by the window, not the context."""
+    """Few splits at 1K; at 128K as many programs as fill one wave of 132 SMs (x programs per SM)
+    and not one more (a second wave for a few programs costs a whole split); none needed for a
+    wide tree at a short context; windowed calls are sized by the window, not the context."""
     sms = 132
-    for T in (1, 16, 32):
+    for T in (1, 16, 32, 64):
         rows, bm = T * 6, min(64, max(16, 1 << (T * 6 - 1).bit_length()))
         units = -(-rows // bm) * 4
         assert A.num_splits(1024, rows, 4, bm, sms) <= 4
-        ns = A.num_splits(131072, rows, 4, bm, sms)
-        assert ns * units >= sms and ns <= A.MAX_SPLITS, (T, ns)
+        for per_sm in (1, 2):
+            ns = A.num_splits(131072, rows, 4, bm, sms, per_sm)
+            assert sms * per_sm - units < ns * units <= sms * per_sm and ns <= A.MAX_SPLITS, (T, per_sm, ns)
         assert A.num_splits(2048, rows, 4, bm, sms) <= 8
     assert A.num_splits(1024, 768, 4, 64, sms) == 0  # 128 nodes: 48 programs already, 1K keys
 
