@@ -495,7 +495,7 @@ def main():
                 break
             bench_tree(args, "drafter", ctx, 16, 32, 8, 128, mask, window, causal, bw)
     # 3. prefill
-    backends = ["flash", "triton", "efficient"]
+    backends = ["flash", "cudnn", "triton", "efficient"]
     for T in args.chunks:
         for start in args.prefill_prefixes:
             if over_budget(args):

@@ -298,14 +298,19 @@ def gdn_prefill_bytes(cfg: TargetConfig, T: int, dtype, fla: bool) -> int:
 def prefill_attention_workspace_bytes(cfg: TargetConfig, T: int, S: int, sms: int = 148, bm: int = 128) -> int:
     """ddtree.ops.attention.prefill_attention's fallback where SDPA's flash kernel does not run
     (its "triton" backend: tree_attention over keys [0, S), causal): the split-KV workspace
-    (NS + 1) x KVH x T*G x (D + 2) fp32 when num_splits gives NS >= 2 (few query rows over a long
+    NS x KVH x T*G x (D + 2) fp32 when num_splits gives NS >= 2 (few query rows over a long
     prefix: a prompt's short last chunk). Bounded with the largest row tile (bm) and SM count
     (sms) of the GPUs it runs on. Flash itself keeps only its output and log-sum-exp."""
     kvh, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-    rows = T * G
-    units = -(-rows // bm) * kvh
-    ns = min(-(-sms // units), S // max(256, 4 * rows), 128)
-    return 0 if ns < 2 else (ns + 1) * kvh * rows * (cfg.head_dim + 2) * F32
+    return _split_workspace(kvh, cfg.head_dim, T * G, S, sms, bm)
+
+
+def _split_workspace(kv_heads: int, head_dim: int, rows: int, S: int, sms: int, bm: int) -> int:
+    """fp32 partials of tree_attention's split rule (ddtree.ops.attention.num_splits, one program
+    per SM): NS x KVH x rows x (D + 2), NS = SMs // (m-tiles x KVH), each split at least
+    max(256, 4 rows) keys, at most 128; none below 2."""
+    ns = min(sms // (-(-rows // bm) * kv_heads), S // max(256, 4 * rows), 128)
+    return 0 if ns < 2 else ns * kv_heads * rows * (head_dim + 2) * F32
 
 
 def attention_prefill_bytes(cfg: TargetConfig, T: int, S: int, dtype) -> int:
@@ -369,14 +374,10 @@ ATTENTION_PATHS = ("kernel", "math", "fused")
 
 
 def tree_attention_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: int, sms: int = 132,
-                                   bm: int = 64) -> int:
-    """tree_attention's fp32 partials for T queries over S keys: (NS + 1) x KVH x T*G x (D + 2),
-    NS from its split rule (ddtree.ops.attention.num_splits: about one wave of programs, each
-    split reading at least max(256, 4 T*G) keys, at most 128 splits; none below 2)."""
-    rows = T * (q_heads // kv_heads)
-    tiles = -(-rows // bm)
-    ns = min(-(-sms // (tiles * kv_heads)), S // max(256, 4 * rows), 128)
-    return 0 if ns < 2 else (ns + 1) * kv_heads * rows * (head_dim + 2) * F32
+                                   bm: int = 128) -> int:
+    """tree_attention's fp32 partials for T queries over S keys (_split_workspace; bm: the
+    largest row tile of ddtree.ops.attention's table, which gives the most splits)."""
+    return _split_workspace(kv_heads, head_dim, T * (q_heads // kv_heads), S, sms, bm)
 
 
 def sdpa_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: int, dtype, path: str) -> int:

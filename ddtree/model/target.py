@@ -114,7 +114,7 @@ class Attention(nn.Module):
         q, gate, k, v = self._qkv(x, c.cos, c.sin)
         self.k_cache[c.start : c.start + T] = k
         self.v_cache[c.start : c.start + T] = v
-        o = attention.prefill_attention(q, self.k_cache, self.v_cache, c.start).reshape(T, -1)
+        o = prefill_attention(q, self.k_cache, self.v_cache, c.start).reshape(T, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
@@ -234,7 +234,7 @@ class GatedDeltaNet(nn.Module):
         qk, v = mixed.split([2 * kd, self.hv * self.dv], dim=-1)
         qk = gdn.l2norm_qk(qk.view(T, 2, self.hk, self.dk), self.dk).repeat_interleave(self.hv // self.hk, dim=2)
         g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias, neg_A=self._consts()[1])
-        o, final = gdn.chain_final(qk[:, 0], qk[:, 1], v.view(T, self.hv, self.dv), g, beta, self.rec_state,
+        o, final = chain_final(qk[:, 0], qk[:, 1], v.view(T, self.hv, self.dv), g, beta, self.rec_state,
                                    use_fla=c.kernels.fla)
         self.rec_state.copy_(final)
         o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
@@ -342,6 +342,24 @@ class Chunk:
 
 # The kernel's grid comes from host ints (T, kv_len): it runs between compiled pieces.
 tree_attention = torch.compiler.disable(attention.tree_attention)
+# The prefill's own kernels (flash-class attention, fla's chunk recurrence) choose backends and
+# shapes on the host: compiled prefill layers run them eagerly between their fused pieces.
+prefill_attention = torch.compiler.disable(attention.prefill_attention)
+chain_final = torch.compiler.disable(gdn.chain_final)
+
+
+def _prefill_layer(layer: DecoderLayer, x: torch.Tensor, c: Chunk) -> torch.Tensor:
+    return layer.prefill(x, c)
+
+
+def prefill_layer(layer: DecoderLayer, compile_layers: bool):
+    """DecoderLayer.prefill, through torch.compile when asked (and not under tensor parallelism:
+    collectives stay out of compiled graphs). Why: eager, the prefill's norms, conv, gates, rope
+    and casts are ~40% of an 8K prefill's kernel time on the 27B (scripts/profile_round.py
+    --prefill); inductor fuses them. One compiled function serves every layer of a kind (the
+    chunk's length and offset become dynamic after their first change); the eager call is the
+    twin (tests/model/test_compile.py)."""
+    return compiled(_prefill_layer) if compile_layers and layer.reduce is _identity else _prefill_layer
 
 
 def _mark_dynamic(s: Step) -> None:
@@ -662,7 +680,7 @@ class TargetModel(nn.Module):
             c = Chunk(start, cos[start : start + T].to(self.dtype), sin[start : start + T].to(self.dtype),
                       self.kernels.get(st.index, REFERENCE))
             for i in range(st.start, st.end):
-                x = self.layers[i].prefill(x, c)
+                x = prefill_layer(self.layers[i], self.compile_layers)(self.layers[i], x, c)
                 if want_taps and i in self.tap_layers:
                     taps.append(x)
         logits = self.gather_logits(self.lm_head(self.norm(x[-1:])))[0]

@@ -115,20 +115,25 @@ class Tiles:
     stages: int
 
 
-# Per (GPU generation, head dim, query-row tile): the tile, chosen from ptxas reports of this
-# kernel compiled for sm_90 and sm_86 (no register spills; shared memory in the comments).
-# bm is the row tile (node x query head rows per program), capped by the call's rows. A tile
-# whose shared-memory estimate exceeds the device's per-block limit (Hopper 227 KB, A100 163 KB,
-# sm_86/89 99 KB), or that Triton reports OutOfResources for, is passed over for the next.
+# Per (GPU generation, head dim): (most query rows, tile) pairs; a call takes the first pair whose
+# bound covers its rows = T * G (node x query head rows per KV head), its bm capped by the rows.
+# Hopper, D = 256: measured by `scripts/bench_attention.py --only-tiles --tile-ctx 131072 32768`
+# (results/tiles-h200.json) over 16 tiles and 1-3 programs per SM: 4 warps at bm 64 beat 8
+# (T = 16 at 32K: 0.086 against 0.20 ms), bm 128 with 8 warps wins from 64 nodes on (T = 64 at
+# 128K: 0.50 against 0.65 ms), and bn 32 beats 64 and 128 everywhere (D = 256 tiles are big).
+# The others: from ptxas reports of this kernel for sm_90 and sm_86 (no register spills; shared
+# memory in the comments). A tile whose shared-memory estimate exceeds the device's per-block
+# limit (Hopper 227 KB, A100 163 KB, sm_86/89 99 KB), or that Triton reports OutOfResources for,
+# is passed over for the next.
+_ANY = 1 << 30
 _TABLE = {
-    # Hopper (wgmma): D = 256 with bn 64 spills at bm 64 (acc 64 x 256 fp32); bn 32, 3 stages does not.
-    ("hopper", 256): {64: Tiles(64, 32, 8, 3), 32: Tiles(32, 32, 8, 3), 16: Tiles(16, 32, 4, 4)},  # 136, 84, 106 KB
-    ("hopper", 128): {64: Tiles(64, 128, 8, 2), 32: Tiles(32, 64, 8, 3), 16: Tiles(16, 64, 4, 3)},  # 160, -, 72 KB
-    ("hopper", 64): {128: Tiles(128, 64, 8, 3), 64: Tiles(64, 64, 4, 3), 32: Tiles(32, 64, 4, 3), 16: Tiles(16, 64, 4, 3)},
+    ("hopper", 256): [(16, Tiles(16, 32, 4, 4)), (256, Tiles(64, 32, 4, 3)), (_ANY, Tiles(128, 32, 8, 3))],  # 106, 139, 180 KB
+    ("hopper", 128): [(16, Tiles(16, 64, 4, 3)), (32, Tiles(32, 64, 8, 3)), (_ANY, Tiles(64, 128, 8, 2))],  # 72, -, 160 KB
+    ("hopper", 64): [(16, Tiles(16, 64, 4, 3)), (32, Tiles(32, 64, 4, 3)), (64, Tiles(64, 64, 4, 3)), (_ANY, Tiles(128, 64, 8, 3))],
     # Ampere (mma.sync; sm_86 has 99 KB a block)
-    ("ampere", 256): {64: Tiles(64, 32, 8, 2), 32: Tiles(32, 32, 8, 3), 16: Tiles(16, 32, 4, 3)},  # 68, 84, 74 KB
-    ("ampere", 128): {64: Tiles(64, 64, 8, 2), 32: Tiles(32, 64, 8, 2), 16: Tiles(16, 64, 4, 2)},  # 56, -, 40 KB
-    ("ampere", 64): {128: Tiles(128, 64, 8, 2), 64: Tiles(64, 64, 4, 2), 32: Tiles(32, 64, 4, 2), 16: Tiles(16, 64, 4, 2)},
+    ("ampere", 256): [(16, Tiles(16, 32, 4, 3)), (32, Tiles(32, 32, 8, 3)), (_ANY, Tiles(64, 32, 8, 2))],  # 74, 84, 68 KB
+    ("ampere", 128): [(16, Tiles(16, 64, 4, 2)), (32, Tiles(32, 64, 8, 2)), (_ANY, Tiles(64, 64, 8, 2))],  # 40, -, 56 KB
+    ("ampere", 64): [(16, Tiles(16, 64, 4, 2)), (32, Tiles(32, 64, 4, 2)), (64, Tiles(64, 64, 4, 2)), (_ANY, Tiles(128, 64, 8, 2))],
 }
 _FALLBACK = [Tiles(32, 32, 4, 2), Tiles(16, 32, 4, 2), Tiles(16, 32, 4, 1), Tiles(16, 16, 4, 1)]
 # fp32 (tests, the twin's precision): FMA dots (ieee); larger tiles spill kilobytes and take a minute to compile.
@@ -165,9 +170,10 @@ def pick_tiles(d: int, rows: int, elt: int, smem_limit: int, hopper: bool) -> li
     table = _TABLE[("hopper" if hopper else "ampere", 64 if d <= 64 else 128 if d <= 128 else 256)]
     if elt > 2:
         return [_FP32]
-    top = max(table)
+    best = next(t for upto, t in table if rows <= upto)
     out = []
-    for t in [table[_rows_tile(top, rows)]] + [Tiles(_rows_tile(t.bm, rows), t.bn, t.warps, t.stages) for t in _FALLBACK]:
+    for t in [best] + _FALLBACK:
+        t = Tiles(_rows_tile(t.bm, rows), t.bn, t.warps, t.stages)
         if _smem_estimate(t, d, elt, hopper) <= smem_limit - _SMEM_RESERVE and t not in out:
             out.append(t)
     return out or [Tiles(16, 16, 4, 1)]
@@ -434,7 +440,7 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
 
 
 # ----------------------------------------------------------------------------- prefill
-PREFILL_BACKENDS = ("auto", "flash", "triton", "efficient", "math")
+PREFILL_BACKENDS = ("auto", "flash", "cudnn", "triton", "efficient", "math")
 _FLASH_FAILED: set = set()  # (device, dtype, D) where the flash backend refused: auto skips it
 
 
@@ -455,12 +461,43 @@ def _causal_sdpa(q4, k4, v4, start: int, scale, gqa: bool):
     return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, scale=scale, enable_gqa=gqa)
 
 
+def _cudnn(q4, k4, v4, causal: bool, scale):
+    """cuDNN's fused attention (SDPA's cuDNN backend) of q4 [1, h, T, D] over k4, v4 [1, kvh, S, D]
+    (top-left causal, or none) -> (o [1, h, T, D], natural-log lse [1, h, T] fp32)."""
+    if k4.shape[1] != q4.shape[1]:  # GQA: cuDNN's graph takes fewer K/V heads where supported
+        try:
+            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False,
+                                                                         scale=scale)[:2]
+            return o, lse.view(q4.shape[:3])
+        except RuntimeError:
+            g = q4.shape[1] // k4.shape[1]
+            k4, v4 = k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1)
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False,
+                                                                 scale=scale)[:2]
+    return o, lse.view(q4.shape[:3])
+
+
+def _cudnn_prefill(q4, k4, v4, start: int, scale):
+    """A chunk at offset start through cuDNN: its prefix [0, start) unmasked and its own keys
+    under the (square, so top-left = lower-right) causal mask, merged by log-sum-exp."""
+    T = q4.shape[2]
+    o2, l2 = _cudnn(q4, k4[:, :, start:start + T], v4[:, :, start:start + T], True, scale)
+    if start == 0:
+        return o2
+    o1, l1 = _cudnn(q4, k4[:, :, :start], v4[:, :, :start], False, scale)
+    lse = torch.logaddexp(l1, l2)
+    o = o1.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]
+    return o.to(q4.dtype)
+
+
 def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str = "auto") -> torch.Tensor:
     """Attention of a prefill chunk q [T, H, D] at host offset `start` over keys [0, start + T)
     of k_cache, v_cache [N, KVH, D] (the chunk's own K/V already at rows start..start+T-1),
     lower-right causal. -> [T, H, D] in q's dtype.
 
-    backend: "flash" SDPA's FlashAttention-2 (fp16/bf16, sm_80+, head_dim <= 256; the only fused
+    backend: "cudnn" cuDNN's fused attention (SDPA's cuDNN backend, called for the prefix and the
+    chunk's own block separately and merged: its causal mask is top-left); "flash" SDPA's
+    FlashAttention-2 (fp16/bf16, sm_80+, head_dim <= 256; the only fused
     SDPA backend that takes GQA, per torch's docs, and the one `causal_lower_right` dispatches to
     first); "triton" this module's kernel (prefix splits off, the chunk causal); "efficient"
     memory-efficient SDPA (lower-right causal but no GQA: one call per KV head, its K/V broadcast
@@ -488,6 +525,9 @@ def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str 
     if backend == "flash":
         with _sdpa_backend("flash"):
             return _causal_sdpa(q4, k4, v4, start, scale, G > 1)[0].transpose(0, 1)
+    if backend == "cudnn":
+        k4, v4 = k4.contiguous() if k4.stride(-1) != 1 else k4, v4
+        return _cudnn_prefill(q4, k4, v4, start, scale)[0].transpose(0, 1)
     if backend == "triton":
         return tree_attention(q, k_cache, v_cache, start, "causal", S, scale=scale)
     if backend == "efficient":

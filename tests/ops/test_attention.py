@@ -330,7 +330,7 @@ def test_gpu_cuda_graph_replays_follow_start():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["auto", "flash", "triton", "efficient"])
+@pytest.mark.parametrize("backend", ["auto", "flash", "cudnn", "triton", "efficient"])
 def test_gpu_prefill_backends(backend):
     H, KVH, D = 24, 4, 256
     for T, start in ((1024, 0), (512, 8192)):
@@ -339,8 +339,31 @@ def test_gpu_prefill_backends(backend):
         try:
             got = A.prefill_attention(q.cuda(), k.cuda(), v.cuda(), start, backend=backend)
         except RuntimeError as e:
-            if backend in ("flash", "efficient"):
+            if backend in ("flash", "cudnn", "efficient"):
                 pytest.skip(f"SDPA {backend} not usable here: {e}")
             raise
         want = A.prefill_attention_reference(q.float().cuda(), k.float().cuda(), v.float().cuda(), start)
         assert_rel(got.float(), want, 2e-2, f"prefill {backend} T={T} start={start}")
+
+
+def _math_cudnn(q4, k4, v4, causal, scale):
+    """cuDNN's contract in plain torch: top-left causal (or none), GQA, natural-log lse."""
+    g = q4.shape[1] // k4.shape[1]
+    k4, v4 = k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1)
+    s = (q4 @ k4.transpose(-1, -2)) * (scale or q4.shape[-1] ** -0.5)
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = s.logsumexp(-1)
+    return (s - lse[..., None]).exp() @ v4, lse
+
+
+@pytest.mark.parametrize("start", [0, 7, 300])
+def test_cudnn_prefill_split_and_merge(monkeypatch, start):
+    """The cuDNN backend's decomposition (prefix unmasked + the chunk's own block causal, merged
+    by log-sum-exp) equals the lower-right causal twin; cuDNN itself stands in as its contract."""
+    monkeypatch.setattr(A, "_cudnn", _math_cudnn)
+    T, H, KVH, D = 37, 12, 2, 64
+    k, v = make_cache(11, start + T, KVH, D)
+    q = torch.randn(T, H, D, generator=torch.Generator().manual_seed(start))
+    got = A.prefill_attention(q, k, v, start, backend="cudnn")
+    torch.testing.assert_close(got, A.prefill_attention_reference(q, k, v, start), rtol=1e-5, atol=1e-5)
