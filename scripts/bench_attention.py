@@ -450,6 +450,8 @@ def main():
                     help="contexts of the tile sweep (SWEEP_TILES x split counts, and FA2 on the prefix; none: skip)")
     ap.add_argument("--tile-trees", type=int, nargs="+", default=[1, 16, 32, 64], help="tree sizes of the tile sweep")
     ap.add_argument("--only-tiles", action="store_true", help="run only the tile sweep")
+    ap.add_argument("--prefill-backends", nargs="+", default=["flash", "cudnn", "triton", "efficient"],
+                    choices=[b for b in A.PREFILL_BACKENDS if b != "auto"], help="prefill_attention backends timed")
     ap.add_argument("--flex-contexts", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new measurements after this")
@@ -495,7 +497,7 @@ def main():
                 break
             bench_tree(args, "drafter", ctx, 16, 32, 8, 128, mask, window, causal, bw)
     # 3. prefill
-    backends = ["flash", "cudnn", "triton", "efficient"]
+    backends = args.prefill_backends
     for T in args.chunks:
         for start in args.prefill_prefixes:
             if over_budget(args):

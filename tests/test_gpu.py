@@ -55,6 +55,13 @@ def test_cuda_compiled_layers_match_eager():
     check_compiled_matches_eager("cuda")
 
 
+def test_cuda_compiled_prefill_matches_eager():
+    """The compiled prefill layers (inductor's Triton kernels around SDPA and fla) vs eager."""
+    from test_compile import check_compiled_prefill_matches_eager
+
+    check_compiled_prefill_matches_eager("cuda")
+
+
 def test_graphed_sampling_runs_and_is_seeded():
     dec, _ = build_random_pair("hybrid", seed=2, device="cuda")
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=20)
