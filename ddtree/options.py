@@ -13,6 +13,7 @@ package reads the environment for these.
     tree_precision   DDTREE_TREE_PRECISION    tf32x3    that kernel's tile products: tf32x3 (fp32-grade on tensor cores) or ieee
     tree_prologue    DDTREE_TREE_PROLOGUE     16        the GDN prologue inside the tree kernel for trees of up to N nodes (0: off)
     attention        DDTREE_ATTENTION         auto      tree / decode attention: auto (the split-KV kernel where it runs), kernel, sdpa (dense-mask twin)
+    prefill_attention DDTREE_PREFILL_ATTENTION auto     prefill attention: auto (cuDNN, else FlashAttention-2, else the split-KV kernel), cudnn, flash, triton, efficient
     fla              DDTREE_NO_FLA=1          on        flash-linear-attention's chunk kernel for prefill (when installed)
     host_rounds      DDTREE_HOST_ROUNDS=1     off       the host-tree round loop (the reference twin of the device pipeline)
     split_graphs     DDTREE_SPLIT_GRAPHS=1    off       a layer split's rounds as CUDA graph segments, one per stage visit (experimental)
@@ -78,6 +79,10 @@ class Options:
                                  _count, default=16)
     attention: str = _switch("DDTREE_ATTENTION", "tree/decode attention: auto, kernel (split-KV), sdpa (dense-mask twin)",
                              _choice("auto", "kernel", "sdpa"), default="auto")
+    prefill_attention: str = _switch("DDTREE_PREFILL_ATTENTION",
+                                     "prefill attention: auto (cuDNN, else FlashAttention-2, else the split-KV kernel), "
+                                     "cudnn, flash, triton, efficient",
+                                     _choice("auto", "cudnn", "flash", "triton", "efficient"), default="auto")
     fla: bool = _switch("DDTREE_NO_FLA", "flash-linear-attention's chunk kernel for prefill (when installed)",
                         _off_when_set, default=True)
     host_rounds: bool = _switch("DDTREE_HOST_ROUNDS", "the host-tree round loop (reference twin of the device pipeline)",

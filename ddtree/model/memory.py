@@ -318,8 +318,9 @@ def attention_prefill_bytes(cfg: TargetConfig, T: int, S: int, dtype) -> int:
     the fused q|k|v [T, nh hd (x2 gated) + 2 kvh hd] and the output gate's copy [T, nh hd], then the
     largest of q_norm's peak (over [T, nh, hd]), rope of q beside the normed q, and, once the
     roped q and k are held, prefill_attention's output [T, nh, hd] with its fp32 log-sum-exp
-    [nh, T] (SDPA's flash kernel, no mask), sigmoid(gate) and o * it; or the triton fallback's
-    workspace."""
+    [nh, T] (SDPA's flash kernel, no mask), sigmoid(gate) and o * it; or cuDNN's two calls (the
+    prefix and the chunk's own block: two outputs, three log-sum-exps) and their fp32 merge
+    (two [T, nh, hd] fp32 at its peak); or the triton fallback's workspace."""
     dt = dtype_bytes(dtype)
     q, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     gated = cfg.attn_output_gate
@@ -328,7 +329,8 @@ def attention_prefill_bytes(cfg: TargetConfig, T: int, S: int, dtype) -> int:
     rope = T * q * dt + rope_peak_bytes(T, cfg.num_heads, cfg.head_dim, cfg.rotary_dim, dtype)
     held = T * (q + kvd) * dt  # roped q and k
     out = T * q * dt + T * cfg.num_heads * F32 + (2 * T * q * dt if gated else 0)
-    out = max(out, T * q * dt + prefill_attention_workspace_bytes(cfg, T, S))
+    out = max(out, T * q * dt + prefill_attention_workspace_bytes(cfg, T, S),
+              2 * T * q * dt + 3 * T * cfg.num_heads * F32 + 2 * T * q * F32)
     return base + max(qn, rope, held + out)
 
 

@@ -114,7 +114,7 @@ class Attention(nn.Module):
         q, gate, k, v = self._qkv(x, c.cos, c.sin)
         self.k_cache[c.start : c.start + T] = k
         self.v_cache[c.start : c.start + T] = v
-        o = prefill_attention(q, self.k_cache, self.v_cache, c.start).reshape(T, -1)
+        o = prefill_attention(q, self.k_cache, self.v_cache, c.start, backend=c.kernels.prefill_attention).reshape(T, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)

@@ -441,7 +441,7 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
 
 # ----------------------------------------------------------------------------- prefill
 PREFILL_BACKENDS = ("auto", "flash", "cudnn", "triton", "efficient", "math")
-_FLASH_FAILED: set = set()  # (device, dtype, D) where the flash backend refused: auto skips it
+_FUSED_FAILED: set = set()  # (backend, device, dtype, D) where cudnn / flash refused: auto skips it
 
 
 def _sdpa_backend(name):
@@ -461,20 +461,35 @@ def _causal_sdpa(q4, k4, v4, start: int, scale, gqa: bool):
     return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, scale=scale, enable_gqa=gqa)
 
 
-def _cudnn(q4, k4, v4, causal: bool, scale):
-    """cuDNN's fused attention (SDPA's cuDNN backend) of q4 [1, h, T, D] over k4, v4 [1, kvh, S, D]
-    (top-left causal, or none) -> (o [1, h, T, D], natural-log lse [1, h, T] fp32)."""
-    if k4.shape[1] != q4.shape[1]:  # GQA: cuDNN's graph takes fewer K/V heads where supported
-        try:
-            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False,
-                                                                         scale=scale)[:2]
-            return o, lse.view(q4.shape[:3])
-        except RuntimeError:
-            g = q4.shape[1] // k4.shape[1]
-            k4, v4 = k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1)
+_CUDNN_GQA: dict = {}  # device -> whether cuDNN took fewer K/V heads than query heads there
+
+
+def _cudnn_call(q4, k4, v4, causal: bool, scale):
     o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False,
                                                                  scale=scale)[:2]
-    return o, lse.view(q4.shape[:3])
+    return o, lse.reshape(q4.shape[:3]).float()
+
+
+def _cudnn(q4, k4, v4, causal: bool, scale):
+    """cuDNN's fused attention (SDPA's cuDNN backend) of q4 [1, h, T, D] over k4, v4 [1, kvh, S, D]
+    (top-left causal, or none) -> (o [1, h, T, D], natural-log lse [1, h, T] fp32). GQA: all
+    heads in one call where cuDNN takes fewer K/V heads, else one call per KV head with its K/V
+    broadcast over the group (no copy of the cache)."""
+    kvh = k4.shape[1]
+    if kvh == q4.shape[1] or _CUDNN_GQA.get(q4.device, True):
+        try:
+            out = _cudnn_call(q4, k4, v4, causal, scale)
+            if kvh != q4.shape[1]:
+                _CUDNN_GQA[q4.device] = True
+            return out
+        except RuntimeError:
+            if kvh == q4.shape[1]:
+                raise
+            _CUDNN_GQA[q4.device] = False
+    g = q4.shape[1] // kvh
+    parts = [_cudnn_call(q4[:, j * g:(j + 1) * g], k4[:, j:j + 1].expand(-1, g, -1, -1),
+                         v4[:, j:j + 1].expand(-1, g, -1, -1), causal, scale) for j in range(kvh)]
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 
 
 def _cudnn_prefill(q4, k4, v4, start: int, scale):
@@ -486,8 +501,8 @@ def _cudnn_prefill(q4, k4, v4, start: int, scale):
         return o2
     o1, l1 = _cudnn(q4, k4[:, :, :start], v4[:, :, :start], False, scale)
     lse = torch.logaddexp(l1, l2)
-    o = o1.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]
-    return o.to(q4.dtype)
+    o = o1.float().mul_((l1 - lse).exp_()[..., None])  # fp32 [1, h, T, D]: two of them at the peak
+    return o.add_(o2 * (l2 - lse).exp_()[..., None]).to(q4.dtype)
 
 
 def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str = "auto") -> torch.Tensor:
@@ -501,8 +516,9 @@ def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str 
     SDPA backend that takes GQA, per torch's docs, and the one `causal_lower_right` dispatches to
     first); "triton" this module's kernel (prefix splits off, the chunk causal); "efficient"
     memory-efficient SDPA (lower-right causal but no GQA: one call per KV head, its K/V broadcast
-    over the group's query heads); "math" the dense twin's path; "auto": flash where it applies,
-    else triton on CUDA, else efficient; math on CPU."""
+    over the group's query heads); "math" the dense twin's path; "auto": cudnn where it runs
+    (twice flash's TFLOP/s at D = 256 on an H200), else flash, else triton on CUDA, else
+    efficient; math on CPU."""
     T, H, D = q.shape
     KVH = k_cache.shape[1]
     G = H // KVH
@@ -511,13 +527,13 @@ def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str 
     if backend == "auto":
         if not q.is_cuda:
             backend = "math"
-        elif q.dtype in (torch.float16, torch.bfloat16) and (q.device, q.dtype, D) not in _FLASH_FAILED:
-            try:
-                return prefill_attention(q, k_cache, v_cache, start, scale, "flash")
-            except RuntimeError:  # flash not built for / not usable on this GPU or shape: do not ask again
-                _FLASH_FAILED.add((q.device, q.dtype, D))
-                backend = "triton" if triton is not None else "efficient"
         else:
+            for fused in ("cudnn", "flash"):  # the fused kernels, fastest first (results/attention-h200.json)
+                if q.dtype in (torch.float16, torch.bfloat16) and (fused, q.device, q.dtype, D) not in _FUSED_FAILED:
+                    try:
+                        return prefill_attention(q, k_cache, v_cache, start, scale, fused)
+                    except RuntimeError:  # not built for / not usable on this GPU or shape: do not ask again
+                        _FUSED_FAILED.add((fused, q.device, q.dtype, D))
             backend = "triton" if triton is not None else "efficient"
     q4 = q.transpose(0, 1)[None]  # [1, H, T, D]
     k4 = k_cache[:S].transpose(0, 1)[None]  # [1, KVH, S, D]
@@ -526,7 +542,6 @@ def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str 
         with _sdpa_backend("flash"):
             return _causal_sdpa(q4, k4, v4, start, scale, G > 1)[0].transpose(0, 1)
     if backend == "cudnn":
-        k4, v4 = k4.contiguous() if k4.stride(-1) != 1 else k4, v4
         return _cudnn_prefill(q4, k4, v4, start, scale)[0].transpose(0, 1)
     if backend == "triton":
         return tree_attention(q, k_cache, v_cache, start, "causal", S, scale=scale)

@@ -41,6 +41,7 @@ class Kernels:
     tree_prologue: int = 0  # the prologue inside that kernel for T <= this
     attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
+    prefill_attention: str = "auto"  # ddtree.ops.attention.prefill_attention's backend (auto: math on CPU)
 
     def tree(self, T: int, dk: int) -> bool:
         """The one-kernel tree verify for a T-node tree of key width dk?"""
@@ -70,6 +71,7 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
         tree_prologue=options.tree_prologue if tri else 0,
         attention=_attention(options, tri),
         fla=options.fla and dev.type == "cuda",
+        prefill_attention=options.prefill_attention if dev.type == "cuda" else "auto",
     )
 
 
