@@ -112,9 +112,7 @@ class Attention(nn.Module):
         attention over the prefix and itself through flash-class kernels (no mask tensor)."""
         T = x.shape[0]
         q, gate, k, v = self._qkv(x, c.cos, c.sin)
-        self.k_cache[c.start : c.start + T] = k
-        self.v_cache[c.start : c.start + T] = v
-        o = prefill_attention(q, self.k_cache, self.v_cache, c.start, backend=c.kernels.prefill_attention).reshape(T, -1)
+        o = cache_and_attend(self, q, k, v, c).reshape(T, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
@@ -344,8 +342,18 @@ class Chunk:
 tree_attention = torch.compiler.disable(attention.tree_attention)
 # The prefill's own kernels (flash-class attention, fla's chunk recurrence) choose backends and
 # shapes on the host: compiled prefill layers run them eagerly between their fused pieces.
-prefill_attention = torch.compiler.disable(attention.prefill_attention)
 chain_final = torch.compiler.disable(gdn.chain_final)
+
+
+@torch.compiler.disable
+def cache_and_attend(attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Chunk) -> torch.Tensor:
+    """A prefill chunk's K/V into the cache at its host offset c.start, then its attention over
+    the prefix and itself. Eager, and handed the chunk whole, so that compiled prefill layers
+    never read c.start: they would specialise on it and recompile for every chunk's offset."""
+    T = q.shape[0]
+    attn.k_cache[c.start : c.start + T] = k
+    attn.v_cache[c.start : c.start + T] = v
+    return attention.prefill_attention(q, attn.k_cache, attn.v_cache, c.start, backend=c.kernels.prefill_attention)
 
 
 def _prefill_layer(layer: DecoderLayer, x: torch.Tensor, c: Chunk) -> torch.Tensor:
@@ -679,6 +687,9 @@ class TargetModel(nn.Module):
             cos, sin = self._rope[st.device]
             c = Chunk(start, cos[start : start + T].to(self.dtype), sin[start : start + T].to(self.dtype),
                       self.kernels.get(st.index, REFERENCE))
+            if self.compile_layers:  # one compiled prefill for every chunk length (no static first graph)
+                for t in (x, c.cos, c.sin):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
             for i in range(st.start, st.end):
                 x = prefill_layer(self.layers[i], self.compile_layers)(self.layers[i], x, c)
                 if want_taps and i in self.tap_layers:
