@@ -120,16 +120,16 @@ class Tiles:
 # Hopper, D = 256: measured by `scripts/bench_attention.py --only-tiles --tile-ctx 131072 32768`
 # (results/tiles-h200.json) over 16 tiles and 1-3 programs per SM: 4 warps at bm 64 beat 8
 # (T = 16 at 32K: 0.086 against 0.20 ms), bm 128 with 8 warps wins at 64 nodes (T = 64 at 128K:
-# 0.50 against 0.65 ms) and takes every tree past 32 nodes (T = 33, a 32-node budget's tree with
-# its root: 198 rows pad to 256 either way, in half the programs), and bn 32 beats 64 and 128
-# everywhere (D = 256 tiles are big).
+# 0.50 against 0.65 ms), and bn 32 beats 64 and 128 everywhere (D = 256 tiles are big). Not yet
+# measured: T = 33 (a 32-node budget's tree with its root, 198 rows) takes four 64-row tiles, the
+# last nearly empty; two 128-row tiles pad the same rows in half the programs.
 # The others: from ptxas reports of this kernel for sm_90 and sm_86 (no register spills; shared
 # memory in the comments). A tile whose shared-memory estimate exceeds the device's per-block
 # limit (Hopper 227 KB, A100 163 KB, sm_86/89 99 KB), or that Triton reports OutOfResources for,
 # is passed over for the next.
 _ANY = 1 << 30
 _TABLE = {
-    ("hopper", 256): [(16, Tiles(16, 32, 4, 4)), (192, Tiles(64, 32, 4, 3)), (_ANY, Tiles(128, 32, 8, 3))],  # 106, 139, 180 KB
+    ("hopper", 256): [(16, Tiles(16, 32, 4, 4)), (256, Tiles(64, 32, 4, 3)), (_ANY, Tiles(128, 32, 8, 3))],  # 106, 139, 180 KB
     ("hopper", 128): [(16, Tiles(16, 64, 4, 3)), (32, Tiles(32, 64, 8, 3)), (_ANY, Tiles(64, 128, 8, 2))],  # 72, -, 160 KB
     ("hopper", 64): [(16, Tiles(16, 64, 4, 3)), (32, Tiles(32, 64, 4, 3)), (64, Tiles(64, 64, 4, 3)), (_ANY, Tiles(128, 64, 8, 3))],
     # Ampere (mma.sync; sm_86 has 99 KB a block)
