@@ -217,7 +217,10 @@ def bench_preset(name: str, devices: list[str], contexts: list[int], budgets: li
     res: dict = {"preset": name, "devices": devices, "weight_bytes_per_token": weight_bytes_per_token(cfg),
                  "max_len": max_len, "kernels": asdict(dec.kernels), "contexts": {}}
     # warm-up: compile and JIT every prefill and drafter-context shape the timed prefills meet
-    for L in sorted({min(contexts), min(8192, max(contexts))}):
+    # (a prompt of three chunks too: chunks at an offset and a short last one compile once, not
+    # inside the first long prompt's TTFT)
+    chunk = target.prefill_chunk()
+    for L in sorted({min(contexts), min(8192, max(contexts)), min(2 * chunk + 1024, max(contexts))}):
         dec.prefill(torch.randint(10, 1000, (L,)).tolist(), dec.job("ddtree", max(budgets), SamplingParams(), 8, 0, False, L))
     for L in contexts:
         torch.cuda.reset_peak_memory_stats()
