@@ -8,8 +8,9 @@ Two kinds of forward:
     contiguous slots, GDN conv and recurrent states set to the path's last node. Everything that
     depends on what was accepted stays on the device, so a round needs no host sync here.
   * `prefill`: the prompt as a chain in large chunks, committed as it goes: causal attention
-    through flash-class kernels (ddtree.ops.attention.prefill_attention) and the GDN chain
-    recurrence through fla's chunk kernel (or its torch twin), with no tree scratch or masks.
+    through flash-class kernels (ddtree.ops.attention.prefill_attention: cuDNN, else SDPA's
+    FlashAttention-2) and the GDN chain recurrence through fla's chunk kernel (or its torch
+    twin), with no tree scratch or masks; the rest of each layer compiled (`prefill_layer`).
 
 State lives in buffers allocated once (`allocate_state`), stacked per stage so that a commit is
 a handful of kernels: K/V [attention layers, max_len, kv_heads, head_dim]; GDN conv states
