@@ -448,7 +448,8 @@ def main():
                     help="split counts the rule is compared with (0: one program per row tile)")
     ap.add_argument("--tile-ctx", type=int, nargs="*", default=[],
                     help="contexts of the tile sweep (SWEEP_TILES x split counts, and FA2 on the prefix; none: skip)")
-    ap.add_argument("--tile-trees", type=int, nargs="+", default=[1, 16, 32, 64], help="tree sizes of the tile sweep")
+    ap.add_argument("--tile-trees", type=int, nargs="+", default=[1, 16, 17, 32, 33, 64, 65],
+                    help="tree sizes of the tile sweep (17 / 33 / 65: ddtree budgets 16 / 32 / 64 with their root)")
     ap.add_argument("--only-tiles", action="store_true", help="run only the tile sweep")
     ap.add_argument("--prefill-backends", nargs="+", default=["flash", "cudnn", "triton", "efficient"],
                     choices=[b for b in A.PREFILL_BACKENDS if b != "auto"], help="prefill_attention backends timed")
