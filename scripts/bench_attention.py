@@ -146,9 +146,10 @@ def flex_fn():
 
 
 def bench_tree(args, kind, ctx, T, H, KVH, D, tree_mask, window, causal, bw, flex=None, splits_list=(None,),
-               time_twin=True):
+               time_twin=True, runs=None, target_s=0.25):
     """At one shape: the twin (timed, or only run for the reference), tree_attention for each split
-    count in splits_list (None: the rule), and FlexAttention when flex is given."""
+    count in splits_list (None: the rule) or each (tiles, splits) of runs (None: the default's),
+    and FlexAttention when flex is given."""
     kv_len = bucket(ctx + T)
     read_rows = (ctx if window is None else min(ctx, window)) + T
     kv_bytes = read_rows * KVH * D * 2 * 2  # K and V, bf16
@@ -189,18 +190,19 @@ def bench_tree(args, kind, ctx, T, H, KVH, D, tree_mask, window, causal, bw, fle
         log(f"{kind} ctx={ctx} T={T} twin FAILED: {type(e).__name__}: {str(e)[:200]}")
         record(**base, impl="twin", error=f"{type(e).__name__}: {e}")
     # ---- the fast op
-    for splits in splits_list:
-        name = "tree_attention" if splits is None else f"tree_attention[splits={splits}]"
+    for tt, splits in runs or [(None, s) for s in splits_list]:
+        name = ("tree_attention" if splits is None and tt is None else f"tree_attention[splits={splits}]" if tt is None
+                else f"tree_attention[{tt.bm},{tt.bn},{tt.warps},{tt.stages}|{splits}]")
         try:
             out = torch.empty(L, T, H, D, device=DEV, dtype=DT)
 
-            def fast(i, splits=splits):
+            def fast(i, splits=splits, tt=tt):
                 A.tree_attention(q, cache.k[i], cache.v[i], st, tm, kv_len, window=window, causal=causal, out=out[i],
-                                 splits=splits)
+                                 splits=splits, tiles=tt)
 
-            ms, mode = time_per_call(fast, L)
+            ms, mode = time_per_call(fast, L, target_s=target_s)
             rows = T * (H // KVH)
-            tiles = [c for c in A.candidate_tiles(D, rows, DT, DEV) if (c, (DEV.index, D, DT)) not in A._BAD][0]
+            tiles = tt or [c for c in A.candidate_tiles(D, rows, DT, DEV) if (c, (DEV.index, D, DT)) not in A._BAD][0]
             ns = A.num_splits(kv_len if window is None else min(kv_len, window), rows, KVH, tiles.bm,
                               torch.cuda.get_device_properties(DEV).multi_processor_count) if splits is None else splits
             err = rel_err(out[0], ref) if ref is not None else None
@@ -265,16 +267,6 @@ def bench_tiles(args, ctx, T, bw, sms):
     H, KVH, D = 24, 4, 256
     rows = T * (H // KVH)
     kv_len = bucket(ctx + T)
-    L = layers_for(kv_len * KVH * D * 4)
-    cache = Cache(L, kv_len, KVH, D)
-    kv_bytes = (ctx + T) * KVH * D * 4
-    base = dict(kind="tile-sweep", ctx=ctx, T=T, H=H, KVH=KVH, D=D, kv_len=kv_len, window=None, causal=True, layers=L,
-                kv_bytes=kv_bytes)
-    q = torch.randn(T, H, D, device=DEV, dtype=DT)
-    st = torch.tensor(ctx, device=DEV)
-    tm = random_tree_mask(T, T).to(DEV)
-    ref = A.tree_attention_reference(q, cache.k[0], cache.v[0], st, tm, kv_len)
-    out = torch.empty(L, T, H, D, device=DEV, dtype=DT)
     hopper = torch.cuda.get_device_capability(DEV)[0] >= 9
     limit = A._smem_limit(DEV) - A._SMEM_RESERVE
     runs = [(None, None)]
@@ -285,23 +277,13 @@ def bench_tiles(args, ctx, T, bw, sms):
             ns = A.num_splits(kv_len, rows, KVH, t.bm, sms, per_sm)
             if (t, ns) not in runs:
                 runs.append((t, ns))
-    for t, ns in runs:
-        if over_budget(args):
-            log("budget spent: tile sweep cut short")
-            break
-        name = "tree_attention" if t is None else f"tree_attention[{t.bm},{t.bn},{t.warps},{t.stages}|{ns}]"
-        try:
-            def fast(i, t=t, ns=ns):
-                A.tree_attention(q, cache.k[i], cache.v[i], st, tm, kv_len, out=out[i], splits=ns, tiles=t)
-
-            ms, mode = time_per_call(fast, L, target_s=0.1)
-            r = record(**base, impl=name, ms=ms, mode=mode, gbps=kv_bytes / (ms * 1e-3) / 1e9,
-                       rel_err=rel_err(out[0], ref), splits=ns, tiles=None if t is None else vars(t))
-            r["frac_copy_bw"] = r["gbps"] / bw
-            log(f"tiles ctx={ctx} T={T} {name}: {ms:.4f} ms ({r['frac_copy_bw']:.0%} of copy), err {r['rel_err']:.1e}")
-        except Exception as e:
-            log(f"tiles ctx={ctx} T={T} {name} FAILED: {type(e).__name__}: {str(e)[:160]}")
-            record(**base, impl=name, error=f"{type(e).__name__}: {e}")
+    bench_tree(args, "tile-sweep", ctx, T, H, KVH, D, random_tree_mask(T, T), None, True, bw, runs=runs,
+               time_twin=False, target_s=0.1)
+    L = layers_for(kv_len * KVH * D * 4)
+    cache = Cache(L, kv_len, KVH, D)
+    base = dict(kind="tile-sweep", ctx=ctx, T=T, H=H, KVH=KVH, D=D, kv_len=kv_len, window=None, causal=True, layers=L,
+                kv_bytes=ctx * KVH * D * 4)
+    q = torch.randn(T, H, D, device=DEV, dtype=DT)
     # the committed prefix alone through FA2 varlen: q packed as [T*G, KVH, D], keys [0, start)
     qp = q.view(T, KVH, H // KVH, D).transpose(1, 2).reshape(rows, KVH, D).contiguous()
     cu_q = torch.tensor([0, rows], device=DEV, dtype=torch.int32)
@@ -323,7 +305,7 @@ def bench_tiles(args, ctx, T, bw, sms):
         except Exception as e:
             log(f"tiles ctx={ctx} T={T} {name} FAILED: {type(e).__name__}: {str(e)[:200]}")
             record(**base, impl=name, error=f"{type(e).__name__}: {e}")
-    del cache, out
+    del cache
     torch.cuda.empty_cache()
 
 
