@@ -437,6 +437,7 @@ class TargetModel(nn.Module):
         self.gather_logits = _identity  # ddtree.parallel installs a vocab all-gather here (vocab-parallel lm_head)
         self.kernels: dict[int, Kernels] = {}  # per stage: its device's fast paths (use)
         self.compile_layers = False  # run decoder layers through torch.compile (see compiled_layer)
+        self._prefill_compile_failed = False  # a compile error in the prefill: eager prefill layers from then on
 
     # ------------------------------------------------------------------ placement and state
     @property
@@ -692,12 +693,35 @@ class TargetModel(nn.Module):
                 for t in (x, c.cos, c.sin):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             for i in range(st.start, st.end):
-                x = prefill_layer(self.layers[i], self.compile_layers)(self.layers[i], x, c)
+                x = self._prefill_layer(i, x, c)
                 if want_taps and i in self.tap_layers:
                     taps.append(x)
         logits = self.gather_logits(self.lm_head(self.norm(x[-1:])))[0]
         tap = torch.cat(taps, -1) if taps else None
         return logits, tap
+
+    def _prefill_layer(self, i: int, x: torch.Tensor, c: Chunk) -> torch.Tensor:
+        """Layer i's prefill, compiled when compile_layers is on. A compile error (dynamo's or
+        inductor's) falls back to the eager layer for the rest of this model's life, with a
+        warning, as the graphed rounds do. It can come after a compiled piece ran (the piece after
+        a graph break compiles on arrival), so the GDN states are restored first (the K/V rows
+        are rewritten whole); any other error propagates."""
+        layer = self.layers[i]
+        if not self.compile_layers or self._prefill_compile_failed:
+            return _prefill_layer(layer, x, c)
+        live = [t for t in (getattr(layer.mixer, n, None) for n in ("conv_state", "rec_state")) if t is not None]
+        saved = [t.clone() for t in live]  # [width-1, C] and [hv, dk, dv]: ~3 MB a GDN layer
+        try:
+            return prefill_layer(layer, True)(layer, x, c)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            from loguru import logger
+
+            logger.warning(f"torch.compile failed in the prefill ({type(e).__name__}: {str(e)[:200]}); "
+                           "using the eager prefill layers (DDTREE_NO_COMPILE=1 skips compiling)")
+            self._prefill_compile_failed = True
+            for t, v in zip(live, saved):
+                t.copy_(v)
+            return _prefill_layer(layer, x, c)
 
     @torch.no_grad()
     def forward_chain(self, tokens: torch.Tensor, start: int):

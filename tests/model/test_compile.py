@@ -129,3 +129,43 @@ def test_compiled_prefill_matches_eager(one_thread):
     # the chunk's own kernels (attention, the GDN chain) are left out on purpose: torch.compiler.disable
     breaks = {k: v for k, v in counters["graph_break"].items() if "disable" not in k.lower()}
     assert not breaks, breaks
+
+
+@torch.no_grad()
+def test_prefill_compile_failure_falls_back_to_eager(monkeypatch):
+    """A compile error in the prefill, raised after a compiled piece already moved the layer's
+    GDN states (as a graph break's resume function can), ends in the eager result: the states
+    are restored, the layer rerun eagerly, and later layers stay eager."""
+    import ddtree.model.target as target_mod
+
+    dec, raw = build_random_pair("hybrid", 5)
+    tgt = dec.target
+    prompt = torch.randint(2, raw["text_config"]["vocab_size"], (41,), generator=torch.Generator().manual_seed(4))
+    tgt.reset()
+    want, want_taps = tgt.prefill(prompt, chunk=16)
+    g = next(iter(tgt.gdn_groups.values()))
+    want_state, want_conv = g.state.clone(), g.conv.clone()
+
+    calls = []
+
+    def broken(layer, compile_layers):
+        def run(layer, x, c):
+            calls.append(layer.kind)
+            for name in ("conv_state", "rec_state"):  # a compiled piece that ran before the failure
+                t = getattr(layer.mixer, name, None)
+                if t is not None:
+                    t.add_(1.0)
+            raise torch._dynamo.exc.TorchDynamoException("inductor broke")  # the base of dynamo / inductor errors
+        return run
+
+    monkeypatch.setattr(target_mod, "prefill_layer", broken)
+    tgt.reset()
+    tgt.compile_layers = True
+    got, got_taps = tgt.prefill(prompt, chunk=16)
+    tgt.compile_layers = False
+    assert calls == [tgt.layers[0].kind], calls  # one failure, then eager for good
+    assert tgt._prefill_compile_failed
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_taps, want_taps, rtol=0, atol=0)
+    torch.testing.assert_close(g.state, want_state, rtol=0, atol=0)
+    torch.testing.assert_close(g.conv, want_conv, rtol=0, atol=0)
