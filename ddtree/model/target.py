@@ -361,14 +361,13 @@ def _prefill_layer(layer: DecoderLayer, x: torch.Tensor, c: Chunk) -> torch.Tens
     return layer.prefill(x, c)
 
 
-def prefill_layer(layer: DecoderLayer, compile_layers: bool):
-    """DecoderLayer.prefill, through torch.compile when asked (and not under tensor parallelism:
-    collectives stay out of compiled graphs). Why: eager, the prefill's norms, conv, gates, rope
-    and casts are ~40% of an 8K prefill's kernel time on the 27B (scripts/profile_round.py
+def prefill_layer():
+    """DecoderLayer.prefill through torch.compile. Why: eager, the prefill's norms, conv, gates,
+    rope and casts are ~40% of an 8K prefill's kernel time on the 27B (scripts/profile_round.py
     --prefill); inductor fuses them. One compiled function serves every layer of a kind (the
-    chunk's length and offset become dynamic after their first change); the eager call is the
-    twin (tests/model/test_compile.py)."""
-    return compiled(_prefill_layer) if compile_layers and layer.reduce is _identity else _prefill_layer
+    chunk's length is marked dynamic; its offset is never traced: cache_and_attend); the eager
+    `_prefill_layer` is the twin (tests/model/test_compile.py)."""
+    return compiled(_prefill_layer)
 
 
 def _mark_dynamic(s: Step) -> None:
@@ -701,18 +700,19 @@ class TargetModel(nn.Module):
         return logits, tap
 
     def _prefill_layer(self, i: int, x: torch.Tensor, c: Chunk) -> torch.Tensor:
-        """Layer i's prefill, compiled when compile_layers is on. A compile error (dynamo's or
-        inductor's) falls back to the eager layer for the rest of this model's life, with a
-        warning, as the graphed rounds do. It can come after a compiled piece ran (the piece after
-        a graph break compiles on arrival), so the GDN states are restored first (the K/V rows
-        are rewritten whole); any other error propagates."""
+        """Layer i's prefill, compiled when compile_layers is on (not under tensor parallelism:
+        collectives stay out of compiled graphs). A compile error (dynamo's or inductor's) falls
+        back to the eager layer for the rest of this model's life, with a warning, as the graphed
+        rounds do. It can come after a compiled piece ran (the piece after a graph break compiles
+        on arrival), so the GDN states are restored first (the K/V rows are rewritten whole); any
+        other error propagates."""
         layer = self.layers[i]
-        if not self.compile_layers or self._prefill_compile_failed:
+        if not self.compile_layers or self._prefill_compile_failed or layer.reduce is not _identity:
             return _prefill_layer(layer, x, c)
         live = [t for t in (getattr(layer.mixer, n, None) for n in ("conv_state", "rec_state")) if t is not None]
-        saved = [t.clone() for t in live]  # [width-1, C] and [hv, dk, dv]: ~3 MB a GDN layer
+        saved = [t.clone() for t in live]  # [width-1, C] and [hv, dk, dv]: ~3 MB a GDN layer, ~0.1 ms a chunk
         try:
-            return prefill_layer(layer, True)(layer, x, c)
+            return prefill_layer()(layer, x, c)
         except torch._dynamo.exc.TorchDynamoException as e:
             from loguru import logger
 

@@ -148,7 +148,7 @@ def test_prefill_compile_failure_falls_back_to_eager(monkeypatch):
 
     calls = []
 
-    def broken(layer, compile_layers):
+    def broken():
         def run(layer, x, c):
             calls.append(layer.kind)
             for name in ("conv_state", "rec_state"):  # a compiled piece that ran before the failure
