@@ -202,7 +202,7 @@ def bench_tree(args, kind, ctx, T, H, KVH, D, tree_mask, window, causal, bw, fle
 
             ms, mode = time_per_call(fast, L, target_s=target_s)
             rows = T * (H // KVH)
-            tiles = tt or [c for c in A.candidate_tiles(D, rows, DT, DEV) if (c, (DEV.index, D, DT)) not in A._BAD][0]
+            tiles = tt or [c for c in A.candidate_tiles(D, rows, DT, DEV, kv_len if window is None else min(kv_len, window)) if (c, (DEV.index, D, DT)) not in A._BAD][0]
             ns = A.num_splits(kv_len if window is None else min(kv_len, window), rows, KVH, tiles.bm,
                               torch.cuda.get_device_properties(DEV).multi_processor_count) if splits is None else splits
             err = rel_err(out[0], ref) if ref is not None else None
@@ -270,10 +270,11 @@ def bench_tiles(args, ctx, T, bw, sms):
     hopper = torch.cuda.get_device_capability(DEV)[0] >= 9
     limit = A._smem_limit(DEV) - A._SMEM_RESERVE
     runs = [(None, None)]
-    for t in SWEEP_TILES:
+    tiles = [A.Tiles(*map(int, x.split(","))) for x in args.sweep_tiles] if args.sweep_tiles else SWEEP_TILES
+    for t in tiles:
         if t.bm > max(16, A._pow2(rows)) or A._smem_estimate(t, D, 2, hopper) > limit:
             continue
-        for per_sm in (1, 2, 3):
+        for per_sm in args.per_sm:
             ns = A.num_splits(kv_len, rows, KVH, t.bm, sms, per_sm)
             if (t, ns) not in runs:
                 runs.append((t, ns))
@@ -289,7 +290,7 @@ def bench_tiles(args, ctx, T, bw, sms):
     cu_q = torch.tensor([0, rows], device=DEV, dtype=torch.int32)
     cu_k = torch.tensor([0, kv_len], device=DEV, dtype=torch.int32)
     used = torch.tensor([ctx], device=DEV, dtype=torch.int32)
-    for nsp in (None, 0, 8, 16, 32, 64, 128):
+    for nsp in (None,) if args.no_fa2 else (None, 0, 8, 16, 32, 64, 128):
         name = f"fa2-prefix[num_splits={nsp}]"
         try:
             kw = {} if nsp is None else {"num_splits": nsp}
@@ -433,6 +434,11 @@ def main():
     ap.add_argument("--tile-trees", type=int, nargs="+", default=[1, 16, 17, 32, 33, 64, 65],
                     help="tree sizes of the tile sweep (17 / 33 / 65: ddtree budgets 16 / 32 / 64 with their root)")
     ap.add_argument("--only-tiles", action="store_true", help="run only the tile sweep")
+    ap.add_argument("--sweep-tiles", nargs="+", default=None, metavar="BM,BN,WARPS,STAGES",
+                    help="tiles of the tile sweep instead of SWEEP_TILES, e.g. 64,32,4,3 128,32,8,3")
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2, 3],
+                    help="programs per SM whose split counts the tile sweep times")
+    ap.add_argument("--no-fa2", action="store_true", help="time FA2 on the prefix only unsplit in the tile sweep")
     ap.add_argument("--prefill-backends", nargs="+", default=["flash", "cudnn", "triton", "efficient"],
                     choices=[b for b in A.PREFILL_BACKENDS if b != "auto"], help="prefill_attention backends timed")
     ap.add_argument("--flex-contexts", type=int, nargs="+", default=[8192, 32768])

@@ -50,14 +50,14 @@ def test_graphed_auto_switching_equals_eager_host_loop():
 
 def test_cuda_compiled_layers_match_eager():
     """Inductor's Triton kernels vs the eager layers: forward logits and every committed state."""
-    from test_compile import check_compiled_matches_eager  # tests/ is on sys.path (pytest prepend mode)
+    from model.test_compile import check_compiled_matches_eager  # tests/ is on sys.path (pytest prepend mode)
 
     check_compiled_matches_eager("cuda")
 
 
 def test_cuda_compiled_prefill_matches_eager():
     """The compiled prefill layers (inductor's Triton kernels around SDPA and fla) vs eager."""
-    from test_compile import check_compiled_prefill_matches_eager
+    from model.test_compile import check_compiled_prefill_matches_eager
 
     check_compiled_prefill_matches_eager("cuda")
 

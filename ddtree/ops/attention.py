@@ -118,11 +118,15 @@ class Tiles:
 # Per (GPU generation, head dim): (most query rows, tile) pairs; a call takes the first pair whose
 # bound covers its rows = T * G (node x query head rows per KV head), its bm capped by the rows.
 # Hopper, D = 256: measured by `scripts/bench_attention.py --only-tiles --tile-ctx 131072 32768`
-# (results/tiles-h200.json) over 16 tiles and 1-3 programs per SM: 4 warps at bm 64 beat 8
+# (results/tiles-h200.json.gz) over 16 tiles and 1-3 programs per SM: 4 warps at bm 64 beat 8
 # (T = 16 at 32K: 0.086 against 0.20 ms), bm 128 with 8 warps wins at 64 nodes (T = 64 at 128K:
-# 0.50 against 0.65 ms), and bn 32 beats 64 and 128 everywhere (D = 256 tiles are big). Not yet
-# measured: T = 33 (a 32-node budget's tree with its root, 198 rows) takes four 64-row tiles, the
-# last nearly empty; two 128-row tiles pad the same rows in half the programs.
+# 0.50 against 0.65 ms), and bn 32 beats 64 and 128 everywhere (D = 256 tiles are big).
+# Long reads (_LONG_TABLE, kv_len above LONG_READ_KEYS) favour one 128-row tile over two 64-row
+# ones when both pad to the same rows (results/tiles-long-h200.json, 128K, one program per SM):
+# T = 16 / 17 (96 / 102 rows) 0.222 / 0.223 against 0.245 / 0.283 ms, T = 33 (198 rows: a
+# 32-node budget with its root) 0.362 against 0.518 ms; where 64-row tiles fit the rows exactly
+# they still win (T = 32, 192 rows: 0.333 against 0.357 ms). At 32K (kv_len 65536) 64-row tiles
+# win at 96 rows (0.086 against 0.099 ms); between 64K and 128K the switch point is not measured.
 # The others: from ptxas reports of this kernel for sm_90 and sm_86 (no register spills; shared
 # memory in the comments). A tile whose shared-memory estimate exceeds the device's per-block
 # limit (Hopper 227 KB, A100 163 KB, sm_86/89 99 KB), or that Triton reports OutOfResources for,
@@ -136,6 +140,11 @@ _TABLE = {
     ("ampere", 256): [(16, Tiles(16, 32, 4, 3)), (32, Tiles(32, 32, 8, 3)), (_ANY, Tiles(64, 32, 8, 2))],  # 74, 84, 68 KB
     ("ampere", 128): [(16, Tiles(16, 64, 4, 2)), (32, Tiles(32, 64, 8, 2)), (_ANY, Tiles(64, 64, 8, 2))],  # 40, -, 56 KB
     ("ampere", 64): [(16, Tiles(16, 64, 4, 2)), (32, Tiles(32, 64, 4, 2)), (64, Tiles(64, 64, 4, 2)), (_ANY, Tiles(128, 64, 8, 2))],
+}
+LONG_READ_KEYS = 65536  # kv_len above this reads with _LONG_TABLE where it has the head dim
+_LONG_TABLE = {
+    ("hopper", 256): [(16, Tiles(16, 32, 4, 4)), (64, Tiles(64, 32, 4, 3)), (128, Tiles(128, 32, 8, 3)),
+                      (192, Tiles(64, 32, 4, 3)), (_ANY, Tiles(128, 32, 8, 3))],
 }
 _FALLBACK = [Tiles(32, 32, 4, 2), Tiles(16, 32, 4, 2), Tiles(16, 32, 4, 1), Tiles(16, 16, 4, 1)]
 # fp32 (tests, the twin's precision): FMA dots (ieee); larger tiles spill kilobytes and take a minute to compile.
@@ -166,10 +175,12 @@ def _rows_tile(bm: int, rows: int) -> int:
     return max(16, min(bm, _pow2(rows)))
 
 
-def pick_tiles(d: int, rows: int, elt: int, smem_limit: int, hopper: bool) -> list[Tiles]:
-    """The tiles to try for head dim d, `rows` = T * G query rows per KV head and elt-byte
-    elements on a GPU with smem_limit bytes of shared memory per block, best first."""
-    table = _TABLE[("hopper" if hopper else "ampere", 64 if d <= 64 else 128 if d <= 128 else 256)]
+def pick_tiles(d: int, rows: int, elt: int, smem_limit: int, hopper: bool, read_len: int = 0) -> list[Tiles]:
+    """The tiles to try for head dim d, `rows` = T * G query rows per KV head, elt-byte elements
+    and read_len keys at most (the bucketed kv_len, or the window) on a GPU with smem_limit bytes
+    of shared memory per block, best first."""
+    key = ("hopper" if hopper else "ampere", 64 if d <= 64 else 128 if d <= 128 else 256)
+    table = _LONG_TABLE[key] if read_len > LONG_READ_KEYS and key in _LONG_TABLE else _TABLE[key]
     if elt > 2:
         return [_FP32]
     best = next(t for upto, t in table if rows <= upto)
@@ -181,11 +192,11 @@ def pick_tiles(d: int, rows: int, elt: int, smem_limit: int, hopper: bool) -> li
     return out or [Tiles(16, 16, 4, 1)]
 
 
-def candidate_tiles(d: int, rows: int, dtype: torch.dtype, device: torch.device) -> list[Tiles]:
+def candidate_tiles(d: int, rows: int, dtype: torch.dtype, device: torch.device, read_len: int = 0) -> list[Tiles]:
     if device.type != "cuda":
         return [Tiles(_rows_tile(_CPU_TILES.bm, rows), _CPU_TILES.bn, 1, 1)]
     major = torch.cuda.get_device_capability(device)[0]
-    return pick_tiles(d, rows, torch.empty((), dtype=dtype).element_size(), _smem_limit(device), major >= 9)
+    return pick_tiles(d, rows, torch.empty((), dtype=dtype).element_size(), _smem_limit(device), major >= 9, read_len)
 
 
 # ----------------------------------------------------------------------------- splits
@@ -404,7 +415,7 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     sc = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
     read_len = kv_len if window is None else min(kv_len, int(window))
     key = (dev.index, D, q.dtype)
-    todo = [tiles] if tiles is not None else [c for c in candidate_tiles(D, rows, q.dtype, dev) if (c, key) not in _BAD]
+    todo = [tiles] if tiles is not None else [c for c in candidate_tiles(D, rows, q.dtype, dev, read_len) if (c, key) not in _BAD]
     kern = _kernel(_attn_fwd_kernel, interpret=not q.is_cuda)
     merge = _kernel(_attn_merge_kernel, interpret=not q.is_cuda)
     err = None

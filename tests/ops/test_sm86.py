@@ -118,8 +118,8 @@ def _recording(monkeypatch, props, log: list):
     monkeypatch.setattr(triton_util, "arch", lambda device: a)
     if attention is not None and ATTENTION_MISSING is None:
         # its CUDA branch of candidate_tiles and _sm_count, with the stand-in's numbers
-        monkeypatch.setattr(attention, "candidate_tiles", lambda d, rows, dtype, device: attention.pick_tiles(
-            d, rows, torch.empty((), dtype=dtype).element_size(), a.smem, a.major >= 9))
+        monkeypatch.setattr(attention, "candidate_tiles", lambda d, rows, dtype, device, read_len=0: attention.pick_tiles(
+            d, rows, torch.empty((), dtype=dtype).element_size(), a.smem, a.major >= 9, read_len))
         monkeypatch.setattr(attention, "_sm_count", lambda device: a.sms)
 
 
