@@ -122,7 +122,7 @@ class Tiles:
 # (T = 16 at 32K: 0.086 against 0.20 ms), bm 128 with 8 warps wins at 64 nodes (T = 64 at 128K:
 # 0.50 against 0.65 ms), and bn 32 beats 64 and 128 everywhere (D = 256 tiles are big).
 # Long reads (_LONG_TABLE, kv_len above LONG_READ_KEYS) favour one 128-row tile over two 64-row
-# ones when both pad to the same rows (results/tiles-long-h200.json, 128K, one program per SM):
+# ones when both pad to the same rows (results/tiles-long-h200.json.gz, 128K, one program per SM):
 # T = 16 / 17 (96 / 102 rows) 0.222 / 0.223 against 0.245 / 0.283 ms, T = 33 (198 rows: a
 # 32-node budget with its root) 0.362 against 0.518 ms; where 64-row tiles fit the rows exactly
 # they still win (T = 32, 192 rows: 0.333 against 0.357 ms). At 32K (kv_len 65536) 64-row tiles
