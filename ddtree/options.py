@@ -115,6 +115,13 @@ class Options:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def changed(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """{DDTREE_X: value as set in the environment} for every switch off its default."""
+        env = os.environ if env is None else env
+        default = type(self)()
+        return {f.metadata["env"]: env.get(f.metadata["env"], str(getattr(self, f.name)))
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
     def replace(self, **changes) -> "Options":
         return dataclasses.replace(self, **changes)
 

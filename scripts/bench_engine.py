@@ -6,7 +6,7 @@ Per context length L (a random prompt of L tokens, prefilled for real once):
   * prefill: time to first token and prefill tok/s (chunked prefill, drafter context included)
   * the state is then saved, and every measurement below restores it first:
   * AR step (ms/token, through Decoder.decode: graphs, one device-to-host copy per step)
-  * verify of T = 1, 16, 32, 64 nodes (graph replays) and the drafter's forward
+  * verify of T = 1, 16, 17, 32, 33, 64 nodes (graph replays; a budget B tree is B + 1 nodes) and the drafter's forward
   * dflash and ddtree rounds (budgets 16, 32, 64): ms per round, and the part outside the two forwards
   * every figure as a ratio to the same figure at the first (shortest) context
 Also: copy bandwidth and the HBM roofline of an AR step, transformers' own forward on the same
@@ -274,7 +274,8 @@ def main():
     ap.add_argument("--preset", default="qwen3.6-27b", choices=sorted(PRESETS))
     ap.add_argument("--devices", default="cuda:0")
     ap.add_argument("--contexts", default="1024,8192,32768,131072")
-    ap.add_argument("--sizes", default="1,16,32,64", help="verify sizes (nodes) timed per context")
+    ap.add_argument("--sizes", default="1,16,17,32,33,64",
+                    help="verify sizes (nodes) timed per context (17 / 33: the trees of budgets 16 / 32 with their root)")
     ap.add_argument("--budgets", default="16,32,64", help="ddtree budgets whose rounds are timed per context")
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--hf", action="store_true", help="also time transformers' own forward on the same weights")

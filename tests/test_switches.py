@@ -54,3 +54,10 @@ def test_no_module_reads_a_switch_but_options():
             if f'environ.get("{row[1]}"' in text or f"environ['{row[1]}'" in text or f'environ["{row[1]}"' in text:
                 offenders.append(f"{path.relative_to(REPO)}: {row[1]}")
     assert not offenders, offenders
+
+
+def test_changed_names_the_switches_off_their_default():
+    env = {"DDTREE_NO_COMPILE": "1", "DDTREE_TREE_PROLOGUE": "8", "DDTREE_ATTENTION": "auto"}  # auto: the default
+    o = Options.from_env(env)
+    assert o.changed(env) == {"DDTREE_NO_COMPILE": "1", "DDTREE_TREE_PROLOGUE": "8"}
+    assert Options().changed({}) == {}

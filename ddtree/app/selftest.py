@@ -16,8 +16,11 @@ SELFTEST_LAYERS = ("linear_attention",) * 3 + ("full_attention",) + ("linear_att
 
 
 def run_selftest(opts: dict, stage: Callable[[str], None]) -> None:
+    from ddtree.options import Options
+
     check_devices(opts["devices"], one=True)
     n_new = positive_int(opts["max_new_tokens"], "--max-new-tokens")
+    options = Options.from_env()  # the DDTREE_* switches, as for generate and bench (a bad value: one error line)
     import torch
 
     from ddtree.app.setup import parse_device_list
@@ -28,12 +31,12 @@ def run_selftest(opts: dict, stage: Callable[[str], None]) -> None:
     if dev.type == "cpu":
         torch.set_num_threads(1)  # a tiny model: more threads only add synchronisation
     try:
-        _selftest(dev, n_new, stage)
+        _selftest(dev, n_new, stage, options)
     finally:
         torch.set_num_threads(threads)
 
 
-def _selftest(dev, n_new: int, stage: Callable[[str], None]) -> None:
+def _selftest(dev, n_new: int, stage: Callable[[str], None], options=None) -> None:
     import torch
 
     from ddtree.model.synthetic import build_random_pair
@@ -42,12 +45,15 @@ def _selftest(dev, n_new: int, stage: Callable[[str], None]) -> None:
     t0 = time.perf_counter()
     vocab, n_prompt = 24, 20  # a small vocabulary: random drafts are accepted often enough to exercise long paths
     decoder, _ = build_random_pair("hybrid", seed=0, dtype=torch.float32, device=dev,
-                                   max_len=n_prompt + n_new + LENGTH_SLACK + 33, vocab=vocab, layers=SELFTEST_LAYERS)
+                                   max_len=n_prompt + n_new + LENGTH_SLACK + 33, vocab=vocab, layers=SELFTEST_LAYERS,
+                                   options=options)
     gen = torch.Generator().manual_seed(1234)
     prompt = torch.randint(2, vocab, (n_prompt,), generator=gen).tolist()
+    switches = " ".join(f"{k}={v}" for k, v in decoder.options.changed().items())
     print(f"selftest: tiny random Qwen3.6-style hybrid (8 layers: 3 Gated DeltaNet + 1 gated attention, x2; "
           f"vocab {vocab}) + 1-layer DFlash drafter (block {decoder.block_size}), {dev}, float32, "
-          f"{n_prompt}-token prompt, {n_new} new tokens, greedy", flush=True)
+          f"{n_prompt}-token prompt, {n_new} new tokens, greedy" + (f"; switches {switches}" if switches else ""),
+          flush=True)
     runs = [("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 32)]
     stage("decoding the selftest prompt")
     for method, budget in runs:  # warm-up (kernels, allocator)

@@ -32,8 +32,9 @@ the window), so the op can be captured in a CUDA graph. Nothing of size [T, kv_l
 a windowed call reads only the window's rows, so its cost does not grow with the context.
 
 `prefill_attention`: a prefill chunk (T up to thousands) at a host-known offset, lower-right
-causal over keys [0, start + T), through SDPA's flash backend (native GQA, lower-right causal via
-`causal_lower_right`), else this module's kernel, else memory-efficient SDPA per KV head.
+causal over keys [0, start + T), through SDPA's cuDNN backend (the prefix and the chunk's own
+block, merged by log-sum-exp), else its flash backend (native GQA, `causal_lower_right`), else
+this module's kernel, else memory-efficient SDPA per KV head.
 
 Twins: `tree_attention_reference`, `prefill_attention_reference` (SDPA with the dense mask).
 """

@@ -60,6 +60,36 @@ def test_selftest_subprocess():
     assert "Traceback" not in r.stderr
 
 
+def test_selftest_takes_the_switches(monkeypatch, capsys):
+    """`ddtree selftest` decodes with the DDTREE_* switches of the environment (here the host-tree
+    round loop and the dense-mask attention twin), names them in its header, and still passes."""
+    import ddtree.model.synthetic as synthetic
+    from ddtree.app.selftest import run_selftest
+
+    seen = []
+    real = synthetic.build_random_pair
+
+    def spy(*a, **kw):
+        seen.append(kw.get("options"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(synthetic, "build_random_pair", spy)
+    monkeypatch.setenv("DDTREE_HOST_ROUNDS", "1")
+    monkeypatch.setenv("DDTREE_ATTENTION", "sdpa")
+    run_selftest({"devices": "cpu", "max_new_tokens": 12}, lambda s: None)
+    out = capsys.readouterr().out
+    assert seen and seen[0].host_rounds and seen[0].attention == "sdpa"
+    assert "switches DDTREE_ATTENTION=sdpa DDTREE_HOST_ROUNDS=1" in out and "selftest passed" in out
+
+
+def test_selftest_bad_switch_is_one_error_line(monkeypatch):
+    monkeypatch.setenv("DDTREE_ATTENTION", "flash")
+    r = invoke("selftest", "--devices", "cpu")
+    assert r.exit_code == 2
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "DDTREE_ATTENTION" in lines[0], r.output
+
+
 def test_version_and_help():
     r = invoke("--version")
     assert r.exit_code == 0 and r.stdout.startswith("ddtree ")

@@ -295,6 +295,16 @@ def test_gpu_32k_target_shapes(dtype, tol, T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [16, 17, 33])
+def test_gpu_long_read_tiles(T):
+    """Past LONG_READ_KEYS (a 128K prefix) the long-read table's tiles, bf16, against the fp32 twin."""
+    start = 131072
+    got, want = _gpu_case(T, T, 24, 4, 256, start, start + 2048, torch.bfloat16)
+    ERR.note("gpu 128K bf16", assert_rel(got.float().cpu(), want.cpu(), 2e-2, f"128K T={T}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL), (torch.bfloat16, 2e-2)])
 def test_gpu_32k_drafter_shapes(dtype, tol):
     B = 16
