@@ -202,8 +202,9 @@ def bench_tree(args, kind, ctx, T, H, KVH, D, tree_mask, window, causal, bw, fle
 
             ms, mode = time_per_call(fast, L, target_s=target_s)
             rows = T * (H // KVH)
-            tiles = tt or [c for c in A.candidate_tiles(D, rows, DT, DEV, kv_len if window is None else min(kv_len, window)) if (c, (DEV.index, D, DT)) not in A._BAD][0]
-            ns = A.num_splits(kv_len if window is None else min(kv_len, window), rows, KVH, tiles.bm,
+            read_len = kv_len if window is None else min(kv_len, window)
+            tiles = tt or [c for c in A.candidate_tiles(D, rows, DT, DEV, read_len) if (c, (DEV.index, D, DT)) not in A._BAD][0]
+            ns = A.num_splits(read_len, rows, KVH, tiles.bm,
                               torch.cuda.get_device_properties(DEV).multi_processor_count) if splits is None else splits
             err = rel_err(out[0], ref) if ref is not None else None
             r = record(**base, impl=name, ms=ms, mode=mode, gbps=kv_bytes / (ms * 1e-3) / 1e9, rel_err=err,
