@@ -22,6 +22,7 @@ tokens) of one forward, B the drafter's block.
 from __future__ import annotations
 
 from ddtree.model.config import DrafterConfig, TargetConfig
+from ddtree.ops.split_rule import num_splits
 
 GDN, ATTN = "linear_attention", "full_attention"
 F32 = 4
@@ -306,11 +307,9 @@ def prefill_attention_workspace_bytes(cfg: TargetConfig, T: int, S: int, sms: in
 
 
 def _split_workspace(kv_heads: int, head_dim: int, rows: int, S: int, sms: int, bm: int) -> int:
-    """fp32 partials of tree_attention's split rule (ddtree.ops.attention.num_splits, one program
-    per SM): NS x KVH x rows x (D + 2), NS = SMs // (m-tiles x KVH), each split at least
-    max(256, 4 rows) keys, at most 128; none below 2."""
-    ns = min(sms // (-(-rows // bm) * kv_heads), S // max(256, 4 * rows), 128)
-    return 0 if ns < 2 else ns * kv_heads * rows * (head_dim + 2) * F32
+    """fp32 partials of tree_attention's NS splits (ddtree.ops.split_rule.num_splits, one program
+    per SM): NS x KVH x rows x (D + 2); none when it does not split."""
+    return num_splits(S, rows, kv_heads, bm, sms) * kv_heads * rows * (head_dim + 2) * F32
 
 
 def attention_prefill_bytes(cfg: TargetConfig, T: int, S: int, dtype) -> int:
