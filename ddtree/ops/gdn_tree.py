@@ -115,22 +115,22 @@ def _gdn_tree_kernel(
 
 
 @torch.compiler.disable  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
-def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee"):
+def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None):
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
     channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
     does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
-    path_mask [T, T] bool. -> o [T, H, dv] fp32."""
+    path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps). -> o [T, H, dv] fp32."""
     T, H, dk = q.shape
     for t in (q, k, v):
         assert t.stride(-1) == 1
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
-    return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision)
+    return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles)
 
 
 @torch.compiler.disable
 def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
-                      precision: str = "ieee"):
+                      precision: str = "ieee", tiles=None):
     """The tree verify of GDN layer `layer` from its projection: the tree convolution + SiLU, q/k
     l2 norms, head repeat and gates (GatedDeltaNet.qkvgb) and then gdn_tree's recurrence, in one
     kernel. proj [T, N] the fused input projection (qkv | z | b | a); ext [hist + T, C] the conv
@@ -142,10 +142,15 @@ def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torc
     pro = (ext, window, w, proj, neg_a, layer.dt_bias, proj.stride(0), layer.conv_dim, layer.hv,
            layer.hv // layer.hk, layer.hk * layer.dk, window.shape[1])
     return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, T, layer.hv, layer.dk,
-                        layer.dv, pro, precision)
+                        layer.dv, pro, precision, tiles)
 
 
-def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision):
+def launch_tiles(T: int, dv: int) -> tuple[int, int]:
+    """(BV value channels per program, warps) for a T-node tree."""
+    return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4
+
+
+def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None):
     kb, ub, cb = out
     for t in (kb, ub):
         assert t.stride(-1) == 1
@@ -153,7 +158,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     mask = path_mask.contiguous().view(torch.int8)
     o = torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
     BT = _tile(T)
-    BV = min(32, _tile(dv))
+    BV, warps = tiles or launch_tiles(T, dv)
     prologue = pro is not None
     if not prologue:  # the prologue's pointer / int arguments go unused
         pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
@@ -165,7 +170,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             *pro[:9],
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
-            NSQ=max(0, (T - 1).bit_length() - 1), num_warps=8 if BT > 32 else 4,
+            NSQ=max(0, (T - 1).bit_length() - 1), num_warps=warps,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
             PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
         )

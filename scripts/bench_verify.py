@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""What a verify of T nodes costs besides attention, on the Qwen3.6-27B shapes:
+
+1. gemms: every weight GEMM of the model at T rows (per shape, times its count in the model),
+   against the weight-read roofline at the measured copy bandwidth;
+2. gdn: one GDN layer's recurrence on each path, from the layer's input projection to the mixer's
+   output: `prologue` (ddtree.ops.gdn_tree.gdn_tree_prologue: conv, norms, gates and recurrence in
+   one kernel), `kernel` (the torch prologue qkvgb, then gdn_tree), `wy` (qkvgb, then gdn.tree_wy's
+   cuBLAS path), and the one-kernel paths at each (BV, warps) of --tiles, each with its error
+   against tree_wy's output.
+
+Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
+the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
+are upper bounds. Example:
+    python scripts/bench_verify.py --nodes 16,17,32,33,64 --out results/verify-parts-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree.model.presets import qwen36_27b_config  # noqa: E402
+from ddtree.model.synthetic import build_random_target, tiny_hybrid_config  # noqa: E402
+from ddtree.ops import gdn, gdn_tree  # noqa: E402
+from ddtree.ops.dispatch import resolve  # noqa: E402
+from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
+from ddtree.options import Options  # noqa: E402
+from bench_engine import copy_bandwidth, git_commit  # noqa: E402  (scripts/ is sys.path[0])
+
+DEV = torch.device("cuda")
+
+
+def graph_ms(fn, calls: int = 8, replays: int = 15) -> float:
+    """Median ms of one fn() call, from replays of a CUDA graph of `calls` calls in a row."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / calls)
+    return statistics.median(times)
+
+
+def gemm_shapes(tc: dict) -> list[tuple[str, int, int, int]]:
+    """(name, out features, in features, count in the model): the fused weights the engine uses."""
+    h, n_layers = tc["hidden_size"], tc["num_hidden_layers"]
+    n_full = sum(t == "full_attention" for t in tc["layer_types"])
+    n_gdn = n_layers - n_full
+    hd, nh, kv = tc["head_dim"], tc["num_attention_heads"], tc["num_key_value_heads"]
+    q = nh * hd * (2 if tc.get("attn_output_gate") else 1)
+    kd, vd = tc["linear_num_key_heads"] * tc["linear_key_head_dim"], tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
+    return [
+        ("gdn.in_proj", 2 * kd + 2 * vd + 2 * tc["linear_num_value_heads"], h, n_gdn),
+        ("gdn.out_proj", h, vd, n_gdn),
+        ("attn.qkv", q + 2 * kv * hd, h, n_full),
+        ("attn.o_proj", h, nh * hd, n_full),
+        ("mlp.gate_up", 2 * tc["intermediate_size"], h, n_layers),
+        ("mlp.down", h, tc["intermediate_size"], n_layers),
+        ("lm_head", tc["vocab_size"], h, 1),
+    ]
+
+
+def bench_gemms(tc: dict, nodes: list[int], bw: float) -> list[dict]:
+    rows = []
+    for name, n, k, count in gemm_shapes(tc):
+        copies = max(1, min(4, (1 << 30) // (n * k * 2)))  # distinct weights so that L2 cannot serve them
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+        for T in nodes:
+            x = torch.randn(T, k, device=DEV, dtype=torch.bfloat16)
+            it = iter(range(1 << 62))
+            ms = graph_ms(lambda: F.linear(x, ws[next(it) % copies]), calls=copies * 2)
+            roof = n * k * 2 / (bw * 1e9) * 1e3
+            rows.append(dict(name=name, T=T, count=count, ms=ms, model_ms=ms * count, roofline_frac=roof / ms))
+        del ws
+    return rows
+
+
+def gdn_layer(tc: dict, seed: int = 0):
+    cfg = tiny_hybrid_config(
+        vocab=256, hidden=tc["hidden_size"], layers=("linear_attention",), heads=tc["num_attention_heads"],
+        kv_heads=tc["num_key_value_heads"], head_dim=tc["head_dim"], partial=0.25,
+        gdn_k_heads=tc["linear_num_key_heads"], gdn_v_heads=tc["linear_num_value_heads"],
+        gdn_k_dim=tc["linear_key_head_dim"], gdn_v_dim=tc["linear_value_head_dim"], inter=64)
+    model = build_random_target(cfg, device=DEV, dtype=torch.bfloat16, seed=seed, max_len=1024)
+    model.prepare()
+    group = next(iter(model.gdn_groups.values()))
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    group.state.copy_(torch.randn(group.state.shape, device=DEV, generator=g) * 0.05)
+    group.conv.copy_(torch.randn(group.conv.shape, device=DEV, generator=g).to(group.conv.dtype))
+    return model
+
+
+def random_parents(T: int, seed: int) -> list[int]:
+    """A ddtree-like tree: a spine with branches off random earlier nodes."""
+    g = torch.Generator().manual_seed(seed)
+    return [-1] + [i - 1 if torch.rand((), generator=g) < 0.6 else int(torch.randint(0, i, (), generator=g))
+                   for i in range(1, T)]
+
+
+def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]]) -> list[dict]:
+    model = gdn_layer(tc)
+    layer = model.layers[0].linear_attn
+    base = resolve(Options(), DEV)
+    rows = []
+    for T in nodes:
+        parents = torch.tensor(random_parents(T, T), device=DEV)
+        mask = ancestor_mask_from_parents(parents.tolist()).to(DEV)
+        step = model.make_step(torch.arange(T, device=DEV) + 100, mask, parents, torch.tensor(100, device=DEV),
+                               100 + T)
+        x = torch.randn(T, tc["hidden_size"], device=DEV, dtype=torch.bfloat16)
+        proj, ext = layer.project(x)
+        q, k, v, g, beta, z, _ = layer.qkvgb(x, step)
+        kb, ub, cb = layer.wy_bufs
+        scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
+        S0 = layer.rec_state
+        prec = base.tree_precision
+        ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask)
+
+        def err(o):
+            return ((o.float() - ref).norm() / ref.norm()).item()
+
+        def wy():
+            qq, kk, vv, gg, bb, _, _ = layer.qkvgb(x, step)
+            return gdn.tree_wy(qq, kk, vv, gg, bb, S0, mask, out=scratch)[0]
+
+        def kernel(t=None):
+            qq, kk, vv, gg, bb, _, _ = layer.qkvgb(x, step)
+            return gdn_tree.gdn_tree(qq, kk, vv, gg, bb, S0, mask, scratch, prec, tiles=t)
+
+        def prologue(t=None):
+            pj, ex = layer.project(x)
+            return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
+
+        proj_ms = graph_ms(lambda: layer.project(x))
+        row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
+        for name, fn in (("wy", wy), ("kernel", kernel), ("prologue", prologue)):
+            row["paths"][name] = dict(ms=graph_ms(fn) - proj_ms, err=err(fn()))
+        sweep = {}
+        for bv, warps in tiles:
+            for name, fn in (("kernel", kernel), ("prologue", prologue)):
+                try:
+                    o = fn((bv, warps))
+                    sweep[f"{name} BV{bv} w{warps}"] = dict(ms=graph_ms(lambda: fn((bv, warps))) - proj_ms, err=err(o))
+                except Exception as e:  # a tile past the shared memory: noted, not fatal
+                    sweep[f"{name} BV{bv} w{warps}"] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
+        row["sweep"] = sweep
+        rows.append(row)
+        best = min((v["ms"], k) for k, v in sweep.items() if "ms" in v) if sweep else (float("nan"), "-")
+        p = row["paths"]
+        print(f"T={T:3d}  in_proj {proj_ms * 1e3:6.1f} us | wy {p['wy']['ms'] * 1e3:6.1f} us  kernel "
+              f"{p['kernel']['ms'] * 1e3:6.1f} us  prologue {p['prologue']['ms'] * 1e3:6.1f} us "
+              f"(err {p['prologue']['err']:.1e}) | best tile: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", default="1,16,17,32,33,64")
+    ap.add_argument("--parts", default="gemms,gdn")
+    ap.add_argument("--tiles", nargs="*", default=["16,4", "32,4", "32,8", "64,8", "16,8"],
+                    help="BV,WARPS pairs of the one-kernel paths to sweep")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_verify.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tc = qwen36_27b_config()["text_config"]
+    nodes = [int(t) for t in a.nodes.split(",")]
+    out = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+               commit=git_commit())
+    out["copy_GBps"] = bw = copy_bandwidth() / 1e9
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    parts = a.parts.split(",")
+    if "gemms" in parts:
+        rows = out["gemms"] = bench_gemms(tc, nodes, bw)
+        for T in nodes:
+            mine = [r for r in rows if r["T"] == T]
+            tot = sum(r["model_ms"] for r in mine)
+            print(f"T={T:3d}  GEMMs of the model {tot:7.3f} ms  " + "  ".join(
+                f"{r['name']} {r['ms'] * 1e3:.1f}us({r['roofline_frac']:.0%})" for r in mine), flush=True)
+    if "gdn" in parts:
+        out["gdn"] = bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles])
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
