@@ -6,7 +6,7 @@
 2. gdn: one GDN layer's recurrence on each path, from the layer's input projection to the mixer's
    output: `prologue` (ddtree.ops.gdn_tree.gdn_tree_prologue: conv, norms, gates and recurrence in
    one kernel), `kernel` (the torch prologue qkvgb, then gdn_tree), `wy` (qkvgb, then gdn.tree_wy's
-   cuBLAS path), and the one-kernel paths at each (BV, warps, BKC) of --tiles, each with its error
+   cuBLAS path), and the one-kernel paths at each (BV, warps) of --tiles, each with its error
    against tree_wy's output.
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
@@ -120,7 +120,7 @@ def random_parents(T: int, seed: int) -> list[int]:
                    for i in range(1, T)]
 
 
-def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int, int]]) -> list[dict]:
+def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]]) -> list[dict]:
     model = gdn_layer(tc)
     layer = model.layers[0].linear_attn
     base = resolve(Options(), DEV)
@@ -161,7 +161,7 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int, int]]) -> 
         sweep = {}
         for t in tiles:
             for name, fn in (("kernel", kernel), ("prologue", prologue)):
-                key = f"{name} BV{t[0]} w{t[1]} BKC{t[2]}"
+                key = f"{name} BV{t[0]} w{t[1]}"
                 try:
                     o = fn(t)
                     sweep[key] = dict(ms=graph_ms(lambda: fn(t)) - proj_ms, err=err(o))
@@ -183,8 +183,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="1,16,17,32,33,64")
     ap.add_argument("--parts", default="gemms,gdn")
-    ap.add_argument("--tiles", nargs="*", default=["32,4,32", "32,8,32", "64,8,32", "16,4,32"],
-                    help="BV,WARPS,BKC triples of the one-kernel paths to sweep")
+    ap.add_argument("--tiles", nargs="*", default=["16,4", "32,4", "32,8", "64,8", "16,8"],
+                    help="BV,WARPS pairs of the one-kernel paths to sweep")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():

@@ -38,103 +38,70 @@ def _gdn_tree_kernel(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
-    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
+    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr,
     PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
 ):
     # One program per (value head, block of BV value channels): the solve is column-wise in v, so
     # the blocks are independent; each recomputes the [T, T] masks (cheap) and keeps few live tiles.
-    # The key width is walked in chunks of BKC: whole [BT, dk] fp32 q / k tiles (and tf32x3's split
-    # copies of them) spill registers past 16 nodes at dk 128.
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0  # writes the head's k and c scratch
     f32 = tl.float32
-    NKC: tl.constexpr = (DK + BKC - 1) // BKC
     ot = tl.arange(0, BT)
-    oc = tl.arange(0, BKC)
+    ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)
-    mt, mv = ot < T, ov < DV
+    mt, mk, mv = ot < T, ok < DK, ov < DV
+    mtk = mt[:, None] & mk[None, :]
     mtv = mt[:, None] & mv[None, :]
-    if PROLOGUE:  # q and k from the projection, as GatedDeltaNet.qkvgb computes them: first their l2 norms
+    if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
         dt = ext.dtype.element_ty
         kh = h // REP  # the key head of this value head
-        nq = tl.zeros([BT], dtype=f32)  # squared l2 norms of q and k rows, over every chunk
-        nk = tl.zeros([BT], dtype=f32)
-        for kc in range(NKC):  # a loop, not unrolled: unrolled, every chunk's loads are hoisted and live at once
-            ok = kc * BKC + oc
-            mk = ok < DK
-            mtk = mt[:, None] & mk[None, :]
-            aq = tl.zeros([BT, BKC], dtype=f32)
-            ak = tl.zeros([BT, BKC], dtype=f32)
-            for j in tl.static_range(W):
-                row = tl.load(window + ot * W + j, mask=mt, other=0)
-                aq += tl.load(conv_w + j * C + kh * DK + ok, mask=mk, other=0.0)[None, :] * \
-                    tl.load(ext + row[:, None] * C + (kh * DK + ok)[None, :], mask=mtk, other=0.0).to(f32)
-                ak += tl.load(conv_w + j * C + KD + kh * DK + ok, mask=mk, other=0.0)[None, :] * \
-                    tl.load(ext + row[:, None] * C + (KD + kh * DK + ok)[None, :], mask=mtk, other=0.0).to(f32)
-            Qc = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
-            Kc = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
-            nq += tl.sum(Qc * Qc, 1)
-            nk += tl.sum(Kc * Kc, 1)
-    # the products with the state and between nodes, summed over the key chunks
-    KS = tl.zeros([BT, BV], dtype=f32)  # k @ S0
-    QS = tl.zeros([BT, BV], dtype=f32)  # q @ S0
-    kk = tl.zeros([BT, BT], dtype=f32)  # k @ k^T
-    qk = tl.zeros([BT, BT], dtype=f32)  # q @ k^T
-    for kc in range(NKC):
-        ok = kc * BKC + oc
-        mk = ok < DK
-        mtk = mt[:, None] & mk[None, :]
-        if PROLOGUE:  # the chunk's conv again (cheap, L2-resident rows), now normalised
-            aq = tl.zeros([BT, BKC], dtype=f32)
-            ak = tl.zeros([BT, BKC], dtype=f32)
-            for j in tl.static_range(W):
-                row = tl.load(window + ot * W + j, mask=mt, other=0)
-                aq += tl.load(conv_w + j * C + kh * DK + ok, mask=mk, other=0.0)[None, :] * \
-                    tl.load(ext + row[:, None] * C + (kh * DK + ok)[None, :], mask=mtk, other=0.0).to(f32)
-                ak += tl.load(conv_w + j * C + KD + kh * DK + ok, mask=mk, other=0.0)[None, :] * \
-                    tl.load(ext + row[:, None] * C + (KD + kh * DK + ok)[None, :], mask=mtk, other=0.0).to(f32)
-            Qc = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
-            Kc = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
-            Qc = Qc / tl.sqrt(nq + 1e-6)[:, None] * (1.0 / tl.sqrt(DK * 1.0))
-            Kc = Kc / tl.sqrt(nk + 1e-6)[:, None]
-        else:
-            Kc = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BKC]
-            Qc = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
-        tl.store(kbuf + h * s_kbh + ot[:, None] * s_kbt + ok[None, :], Kc, mask=mtk & first)
-        Sc = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-        KS = tl.dot(Kc, Sc, KS, input_precision=PREC)
-        QS = tl.dot(Qc, Sc, QS, input_precision=PREC)
-        kk = tl.dot(Kc, tl.trans(Kc), kk, input_precision=PREC)
-        qk = tl.dot(Qc, tl.trans(Kc), qk, input_precision=PREC)
-    # then v and the gates (after the chunk loop: fewer live registers through it)
-    if PROLOGUE:
-        cv = 2 * KD + h * DV + ov  # conv channels of v
+        cq = kh * DK + ok  # conv channels of q, k and v
+        ck = KD + kh * DK + ok
+        cv = 2 * KD + h * DV + ov
+        aq = tl.zeros([BT, BK], dtype=f32)
+        ak = tl.zeros([BT, BK], dtype=f32)
         av = tl.zeros([BT, BV], dtype=f32)
         for j in tl.static_range(W):  # the tree convolution: each node's window rows of ext
             row = tl.load(window + ot * W + j, mask=mt, other=0)
+            aq += tl.load(conv_w + j * C + cq, mask=mk, other=0.0)[None, :] * \
+                tl.load(ext + row[:, None] * C + cq[None, :], mask=mtk, other=0.0).to(f32)
+            ak += tl.load(conv_w + j * C + ck, mask=mk, other=0.0)[None, :] * \
+                tl.load(ext + row[:, None] * C + ck[None, :], mask=mtk, other=0.0).to(f32)
             av += tl.load(conv_w + j * C + cv, mask=mv, other=0.0)[None, :] * \
                 tl.load(ext + row[:, None] * C + cv[None, :], mask=mtv, other=0.0).to(f32)
+        # SiLU, rounded to the model dtype as tree_conv's output is; then the l2 norms (q also * DK^-0.5)
+        Q = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
+        K = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
         V = (av / (1.0 + tl.exp(-av))).to(dt, fp_downcast_rounding="rtne").to(f32)
+        Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None] * (1.0 / tl.sqrt(DK * 1.0))
+        K = K / tl.sqrt(tl.sum(K * K, 1) + 1e-6)[:, None]
         zb = C + HV * DV  # b, then a, after qkv and z in the projection row
         bb = tl.load(proj + ot * s_pt + zb + h, mask=mt, other=0.0).to(f32)
         aa = tl.load(proj + ot * s_pt + zb + HV + h, mask=mt, other=0.0).to(f32) + tl.load(dt_bias + h).to(f32)
         gg = tl.where(mt, tl.load(neg_a + h) * tl.where(aa > 20.0, aa, tl.log(1.0 + tl.exp(aa))), 0.0)
         bb = tl.where(mt, 1.0 / (1.0 + tl.exp(-bb)), 0.0)
     else:
+        K = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
         gg = tl.load(g + ot * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
         bb = tl.load(beta + ot * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
-        V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+    tl.store(kbuf + h * s_kbh + ot[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
     on_path = tl.load(mask + ot[:, None] * T + ot[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
     c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
     tl.store(cbuf + h * s_cbh + ot, c, mask=mt & first)
     decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
     ec = tl.exp(c)
-    U = bb[:, None] * (V - ec[:, None] * KS)  # right-hand side, solved in place
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    if not PROLOGUE:
+        V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+    U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision=PREC))  # right-hand side, solved in place
+    kk = tl.dot(K, tl.trans(K), input_precision=PREC)  # [BT, BT]
     A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
-    O = ec[:, None] * QS
-    Pm = decay * qk
+    if not PROLOGUE:
+        Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
+    O = ec[:, None] * tl.dot(Q, S, input_precision=PREC)
+    Pm = decay * tl.dot(Q, tl.trans(K), input_precision=PREC)
     # (I + A) U = B without a serial substitution: A is strictly lower triangular, so A^T = 0 and
     # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(2^(NSQ))), 2^(NSQ+1) >= T: NSQ squarings and
     # NSQ + 1 products, all tile dots (a loop over the nodes costs a barrier-bound step per node).
@@ -152,7 +119,7 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tile
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
     channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
     does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
-    path_mask [T, T] bool; tiles: (BV, warps, BKC) instead of launch_tiles' (sweeps). -> o [T, H, dv] fp32."""
+    path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps). -> o [T, H, dv] fp32."""
     T, H, dk = q.shape
     for t in (q, k, v):
         assert t.stride(-1) == 1
@@ -178,9 +145,9 @@ def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torc
                         layer.dv, pro, precision, tiles)
 
 
-def launch_tiles(T: int, dv: int) -> tuple[int, int, int]:
-    """(BV value channels per program, warps, BKC key channels per chunk) for a T-node tree."""
-    return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4, 32
+def launch_tiles(T: int, dv: int) -> tuple[int, int]:
+    """(BV value channels per program, warps) for a T-node tree."""
+    return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4
 
 
 def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None):
@@ -191,7 +158,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     mask = path_mask.contiguous().view(torch.int8)
     o = torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
     BT = _tile(T)
-    BV, warps, BKC = tiles or launch_tiles(T, dv)
+    BV, warps = tiles or launch_tiles(T, dv)
     prologue = pro is not None
     if not prologue:  # the prologue's pointer / int arguments go unused
         pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
@@ -202,7 +169,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             *pro[:9],
-            T=T, DK=dk, DV=dv, BT=BT, BKC=min(BKC, _tile(dk)), BV=BV,
+            T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
             NSQ=max(0, (T - 1).bit_length() - 1), num_warps=warps,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
             PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],

@@ -26,11 +26,6 @@ CONFIGS = {
 }
 
 
-# the tree kernel walks the key width in chunks (gdn_tree.launch_tiles' BKC, 32): dk 80 takes
-# three, the last one partial
-TREE_CONFIGS = CONFIGS | {"chunked": dict(hidden=64, gdn_k_heads=1, gdn_v_heads=2, gdn_k_dim=80, gdn_v_dim=24)}
-
-
 FAST = Options(triton_on_cpu=True)  # the kernels (under the interpreter on CPU)
 TORCH = Options(triton=False)  # their torch twins
 
@@ -146,13 +141,13 @@ def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, bud
     assert kernel_walks  # every method walks its verified tree in the walk kernel
 
 
-@pytest.mark.parametrize("cfg", list(TREE_CONFIGS))
+@pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_tree_kernel_matches_tree_wy(cfg):
     """The tree-verify kernel against gdn.tree_wy on random trees of
     2..65 nodes, with the strided q / k / v views the layer passes: outputs and commit scratch."""
     from ddtree.ops.tree import ancestor_mask_from_parents
 
-    model = build_random_target(tiny_hybrid_config(**TREE_CONFIGS[cfg]), seed=1, device=DEV)
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=1, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(5)
     for T in (2, 3, 9, 17, 33, 65):
@@ -172,14 +167,14 @@ def test_tree_kernel_matches_tree_wy(cfg):
             ERR.note("tree verify scratch", assert_rel(a, b, 1e-5, f"T={T}"))
 
 
-@pytest.mark.parametrize("cfg", list(TREE_CONFIGS))
+@pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_tree_prologue_kernel_matches_torch_prologue(cfg):
     """The tree kernel with the layer's prologue inside (tree convolution + SiLU from the conv
     inputs, q/k l2 norms, head repeat, gates from the projection) against qkvgb + tree_wy on random
     trees and random conv states: outputs, commit scratch, and the whole mixer's output."""
     from ddtree.ops.tree import ancestor_mask_from_parents
 
-    model = build_random_target(tiny_hybrid_config(**TREE_CONFIGS[cfg]), seed=2, device=DEV)
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(6)
     for T in (2, 3, 9, 16, 17, 33):
