@@ -127,8 +127,12 @@ class Tiles:
 # ones when both pad to the same rows (results/tiles-long-h200.json.gz, 128K, one program per SM):
 # T = 16 / 17 (96 / 102 rows) 0.222 / 0.223 against 0.245 / 0.283 ms, T = 33 (198 rows: a
 # 32-node budget with its root) 0.362 against 0.518 ms; where 64-row tiles fit the rows exactly
-# they still win (T = 32, 192 rows: 0.333 against 0.357 ms). At 32K (kv_len 65536) 64-row tiles
-# win at 96 rows (0.086 against 0.099 ms); between 64K and 128K the switch point is not measured.
+# they still win (T = 32, 192 rows: 0.333 against 0.357 ms). Just past 64K the 128-row tile wins
+# at T = 17 / 33 (0.137 / 0.203 against 0.157 / 0.273 ms) and ties at T = 16 (0.140 both;
+# results/tiles-switch-h200.json). Between 16K and 64K (_MID_TABLE) it wins only at T = 33
+# (0.079 / 0.120 against 0.088 / 0.149 ms at 16.6K / 33K reads), ties at T = 17 and loses at
+# T = 16 and 32 (33K: 0.099 against 0.086, 0.116 against 0.101); at 8K it loses by 3% at T = 33
+# (results/tiles-short-h200.json).
 # The others: from ptxas reports of this kernel for sm_90 and sm_86 (no register spills; shared
 # memory in the comments). A tile whose shared-memory estimate exceeds the device's per-block
 # limit (Hopper 227 KB, A100 163 KB, sm_86/89 99 KB), or that Triton reports OutOfResources for,
@@ -142,6 +146,10 @@ _TABLE = {
     ("ampere", 256): [(16, Tiles(16, 32, 4, 3)), (32, Tiles(32, 32, 8, 3)), (_ANY, Tiles(64, 32, 8, 2))],  # 74, 84, 68 KB
     ("ampere", 128): [(16, Tiles(16, 64, 4, 2)), (32, Tiles(32, 64, 8, 2)), (_ANY, Tiles(64, 64, 8, 2))],  # 40, -, 56 KB
     ("ampere", 64): [(16, Tiles(16, 64, 4, 2)), (32, Tiles(32, 64, 4, 2)), (64, Tiles(64, 64, 4, 2)), (_ANY, Tiles(128, 64, 8, 2))],
+}
+MID_READ_KEYS = 16384  # kv_len above this (and up to LONG_READ_KEYS) reads with _MID_TABLE
+_MID_TABLE = {  # a 33-node tree (198 rows): one 128-row tile (at 16.6K / 33K reads 0.079 / 0.120 against 0.088 / 0.149 ms)
+    ("hopper", 256): [(16, Tiles(16, 32, 4, 4)), (192, Tiles(64, 32, 4, 3)), (_ANY, Tiles(128, 32, 8, 3))],
 }
 LONG_READ_KEYS = 65536  # kv_len above this reads with _LONG_TABLE where it has the head dim
 _LONG_TABLE = {
@@ -182,7 +190,11 @@ def pick_tiles(d: int, rows: int, elt: int, smem_limit: int, hopper: bool, read_
     and read_len keys at most (the bucketed kv_len, or the window) on a GPU with smem_limit bytes
     of shared memory per block, best first."""
     key = ("hopper" if hopper else "ampere", 64 if d <= 64 else 128 if d <= 128 else 256)
-    table = _LONG_TABLE[key] if read_len > LONG_READ_KEYS and key in _LONG_TABLE else _TABLE[key]
+    table = _TABLE[key]
+    if read_len > LONG_READ_KEYS:
+        table = _LONG_TABLE.get(key, table)
+    elif read_len > MID_READ_KEYS:
+        table = _MID_TABLE.get(key, table)
     if elt > 2:
         return [_FP32]
     best = next(t for upto, t in table if rows <= upto)

@@ -380,11 +380,15 @@ def test_cudnn_prefill_split_and_merge(monkeypatch, start):
 
 
 def test_long_reads_take_the_long_table():
-    """Hopper, D = 256: past LONG_READ_KEYS a tree whose rows two 64-row tiles would pad as much as
-    one 128-row tile (T = 16, 33 with G = 6) takes the 128-row tile; 192 rows keep 64-row tiles."""
+    """Hopper, D = 256, by read length: up to MID_READ_KEYS 64-row tiles up to 256 rows; past it a
+    33-node tree (198 rows, which two 64-row tiles pad as much as one 128-row tile) takes the
+    128-row tile; past LONG_READ_KEYS also T = 16 / 17 (96 / 102 rows); 192 rows keep 64-row tiles."""
     hop = 232448
-    for rows, short_bm, long_bm in ((96, 64, 128), (102, 64, 128), (192, 64, 64), (198, 64, 128), (390, 128, 128)):
-        assert A.pick_tiles(256, rows, 2, hop, True, A.LONG_READ_KEYS)[0].bm == short_bm, rows
-        assert A.pick_tiles(256, rows, 2, hop, True, 2 * A.LONG_READ_KEYS)[0].bm == long_bm, rows
-    # Ampere has no long table: the same tiles at any length
+    for rows, short_bm, mid_bm, long_bm in ((96, 64, 64, 128), (102, 64, 64, 128), (192, 64, 64, 64),
+                                            (198, 64, 128, 128), (390, 128, 128, 128)):
+        assert A.pick_tiles(256, rows, 2, hop, True, A.MID_READ_KEYS)[0].bm == short_bm, rows
+        assert A.pick_tiles(256, rows, 2, hop, True, A.MID_READ_KEYS + 1)[0].bm == mid_bm, rows
+        assert A.pick_tiles(256, rows, 2, hop, True, A.LONG_READ_KEYS)[0].bm == mid_bm, rows
+        assert A.pick_tiles(256, rows, 2, hop, True, A.LONG_READ_KEYS + 1)[0].bm == long_bm, rows
+    # Ampere has no mid or long table: the same tiles at any length
     assert A.pick_tiles(256, 198, 2, 101376, False, 1 << 20) == A.pick_tiles(256, 198, 2, 101376, False, 1024)
