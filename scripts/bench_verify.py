@@ -188,7 +188,8 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_verify.py needs a CUDA GPU")
+        print("error: bench_verify.py needs a CUDA GPU (run it on a machine with one)", file=sys.stderr)
+        sys.exit(2)
     torch.backends.cuda.matmul.allow_tf32 = False
     tc = qwen36_27b_config()["text_config"]
     nodes = [int(t) for t in a.nodes.split(",")]
