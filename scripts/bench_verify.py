@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from ddtree.ops import gdn, gdn_tree  # noqa: E402
 from ddtree.ops.dispatch import resolve  # noqa: E402
 from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
 from ddtree.options import Options  # noqa: E402
-from bench_engine import copy_bandwidth, git_commit  # noqa: E402  (scripts/ is sys.path[0])
+from bench_engine import copy_bandwidth, event_time, git_commit  # noqa: E402  (scripts/ is sys.path[0])
 
 DEV = torch.device("cuda")
 
@@ -53,15 +52,7 @@ def graph_ms(fn, calls: int = 8, replays: int = 15) -> float:
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    times = []
-    for _ in range(replays):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / calls)
-    return statistics.median(times)
+    return event_time(g.replay, reps=replays, warmup=1) / calls
 
 
 def gemm_shapes(tc: dict) -> list[tuple[str, int, int, int]]:
