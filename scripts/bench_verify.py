@@ -161,6 +161,20 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]]) -> list[
                 print(f"    {key}: " + (f"{sweep[key]['ms'] * 1e3:.1f} us, err {sweep[key]['err']:.1e}"
                                         if "ms" in sweep[key] else sweep[key]["error"]), flush=True)
         row["sweep"] = sweep
+        # the recurrence alone, from ready q / k / v / g / beta: tree_wy, the kernel, the kernel by 16-node blocks
+        core = {}
+        for name, fn in (("wy", lambda: gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)[0]),
+                         ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
+                         *((f"blocked BV{t[0]} w{t[1]}", lambda t=t: gdn_tree.gdn_tree_blocked(
+                             q, k, v, g, beta, S0, mask, scratch, prec, tiles=t)) for t in tiles)):
+            try:
+                core[name] = dict(ms=graph_ms(fn), err=err(fn()))
+            except Exception as e:  # a tile past the shared memory: noted, not fatal
+                core[name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
+        row["core"] = core
+        print(f"T={T:3d}  recurrence alone: " + "  ".join(
+            f"{n} {v['ms'] * 1e3:.1f} us ({v['err']:.1e})" if "ms" in v else f"{n} {v['error']}" for n, v in core.items()),
+            flush=True)
         rows.append(row)
         best = min((v["ms"], k) for k, v in sweep.items() if "ms" in v) if sweep else (float("nan"), "-")
         p = row["paths"]

@@ -114,6 +114,97 @@ def _gdn_tree_kernel(
     tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
 
 
+def _gdn_tree_blocked_kernel(
+    q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
+    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr,
+):
+    # _gdn_tree_kernel's math by blocks of SB nodes, in order (ancestors come first): block b's
+    # right-hand side loses A[b, c] @ U[c] for every earlier block c (U[c] read back from the
+    # scratch this program wrote), then its own unit-lower-triangular block is solved by squarings
+    # of an [SB, SB] tile. Only [SB, *] tiles live at once, whatever T is.
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    first = vb == 0
+    f32 = tl.float32
+    NB: tl.constexpr = (T + SB - 1) // SB
+    oa = tl.arange(0, BT)  # every node: the path mask's columns
+    ma = oa < T
+    g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
+    os_ = tl.arange(0, SB)
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    mk, mv = ok < DK, ov < DV
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    for b in range(NB):
+        rb = b * SB + os_
+        mb = rb < T
+        on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
+        c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # [SB]: summed log-decay along each path
+        tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb & first)
+        mbk = mb[:, None] & mk[None, :]
+        mbv = mb[:, None] & mv[None, :]
+        Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
+        tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk & first)
+        Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
+        Vb = tl.load(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], mask=mbv, other=0.0).to(f32)  # [SB, BV]
+        bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
+        ec = tl.exp(c_b)
+        R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
+        O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
+        for c in range(b):  # the earlier blocks: their solved U, through the ancestor mask
+            rc = c * SB + os_
+            on_c = tl.load(mask + rc[:, None] * T + oa[None, :], mask=ma[None, :], other=0) != 0
+            c_c = tl.sum(tl.where(on_c, g_all[None, :], 0.0), 1)
+            on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
+            dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))
+            Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
+            Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
+            R -= tl.dot(bb[:, None] * dec * tl.dot(Kb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
+            O += tl.dot(dec * tl.dot(Qb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
+        on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
+        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
+        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
+        U = R - tl.dot(A, R, input_precision=PREC)  # (I + A)^-1 R by squarings, as _gdn_tree_kernel
+        for _ in tl.static_range(NSQ):
+            A = tl.dot(A, A, input_precision=PREC)
+            U += tl.dot(A, U, input_precision=PREC)
+        O += tl.dot(dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC), U, input_precision=PREC)
+        tl.store(o + rb[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mbv)
+        tl.store(ubuf + h * s_ubh + rb[:, None] * s_ubt + ov[None, :], U, mask=mbv)
+        tl.debug_barrier()  # block b's U is read back by every later block
+
+
+@torch.compiler.disable
+def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, block: int = 16):
+    """gdn_tree by blocks of `block` nodes (_gdn_tree_blocked_kernel), for trees past one 16-node
+    tile. Not dispatched: scripts/bench_verify.py measures it against gdn_tree and tree_wy.
+    Shapes and `out` as gdn_tree; tiles (BV, warps)."""
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    kb, ub, cb = out
+    for t in (q, k, v, kb, ub):
+        assert t.stride(-1) == 1
+    assert cb.stride(-1) == 1 and S0.is_contiguous()
+    mask = path_mask.contiguous().view(torch.int8)
+    o = torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
+    BV, warps = tiles or (min(32, _tile(dv)), 4)
+    kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
+    with _on_device_of(S0):
+        kern[(H, triton.cdiv(dv, BV))](
+            q, k, v, g, beta, S0, mask, o, kb, ub, cb,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
+            kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
+            T=T, DK=dk, DV=dv, BT=_tile(T), SB=block, BK=_tile(dk), BV=BV,
+            NSQ=max(0, (min(T, block) - 1).bit_length() - 1), num_warps=warps,
+            PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
+        )
+    return o
+
+
 @torch.compiler.disable  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
 def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None):
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
@@ -181,3 +272,4 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 
 if triton is not None:
     _kernel(_gdn_tree_kernel, interpret=False)
+    _kernel(_gdn_tree_blocked_kernel, interpret=False)

@@ -168,6 +168,33 @@ def test_tree_kernel_matches_tree_wy(cfg):
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_blocked_tree_kernel_matches_tree_wy(cfg):
+    """The tree kernel by 16-node blocks (gdn_tree.gdn_tree_blocked) against gdn.tree_wy on random
+    trees of one block, a full block, two to five blocks (the last partial): outputs and scratch."""
+    from ddtree.ops.tree import ancestor_mask_from_parents
+
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=3, device=DEV)
+    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
+    g_ = torch.Generator().manual_seed(7)
+    for T in (3, 16, 17, 32, 50, 65):
+        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
+        if T == 32:  # a chain: every node an ancestor of the next, across the block boundary
+            parents = torch.arange(T) - 1
+        mask = ancestor_mask_from_parents(parents).to(DEV)
+        x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
+        s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
+        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
+        S0 = torch.randn(layer.rec_state.shape, generator=g_).to(DEV) * 0.5
+        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
+        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)
+        got = [torch.full_like(t, float("nan")) for t in scratch]
+        o = gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, got)
+        ERR.note("blocked tree verify", assert_rel(o, o_ref, 1e-5, f"T={T}"))
+        for a, b in zip(got, scratch):
+            ERR.note("blocked tree verify scratch", assert_rel(a, b, 1e-5, f"T={T}"))
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_tree_prologue_kernel_matches_torch_prologue(cfg):
     """The tree kernel with the layer's prologue inside (tree convolution + SiLU from the conv
     inputs, q/k l2 norms, head repeat, gates from the projection) against qkvgb + tree_wy on random
