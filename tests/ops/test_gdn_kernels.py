@@ -141,44 +141,20 @@ def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, bud
     assert kernel_walks  # every method walks its verified tree in the walk kernel
 
 
+@pytest.mark.parametrize("kernel", ["gdn_tree", "gdn_tree_blocked"])
 @pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_tree_kernel_matches_tree_wy(cfg):
-    """The tree-verify kernel against gdn.tree_wy on random trees of
-    2..65 nodes, with the strided q / k / v views the layer passes: outputs and commit scratch."""
+def test_tree_kernel_matches_tree_wy(cfg, kernel):
+    """The tree-verify kernel (whole tiles, or by 16-node blocks) against gdn.tree_wy on random
+    trees of 2..65 nodes (one block, a full one, two to five, the last partial; 32: a chain across
+    a block edge), with the strided q / k / v views the layer passes: outputs and commit scratch."""
     from ddtree.ops.tree import ancestor_mask_from_parents
 
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=1, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(5)
-    for T in (2, 3, 9, 17, 33, 65):
+    for T in (2, 3, 9, 16, 17, 32, 33, 50, 65):
         parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
-        mask = ancestor_mask_from_parents(parents).to(DEV)
-        x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
-        s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
-        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
-        S0 = torch.randn(layer.rec_state.shape, generator=g_).to(DEV) * 0.5
-        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
-        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)
-        ref = [t.clone() for t in scratch]
-        got_scratch = [torch.zeros_like(t) for t in scratch]
-        o = gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, got_scratch)
-        ERR.note("tree verify", assert_rel(o, o_ref, 1e-5, f"T={T}"))
-        for a, b in zip(got_scratch, ref):
-            ERR.note("tree verify scratch", assert_rel(a, b, 1e-5, f"T={T}"))
-
-
-@pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_blocked_tree_kernel_matches_tree_wy(cfg):
-    """The tree kernel by 16-node blocks (gdn_tree.gdn_tree_blocked) against gdn.tree_wy on random
-    trees of one block, a full block, two to five blocks (the last partial): outputs and scratch."""
-    from ddtree.ops.tree import ancestor_mask_from_parents
-
-    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=3, device=DEV)
-    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
-    g_ = torch.Generator().manual_seed(7)
-    for T in (3, 16, 17, 32, 50, 65):
-        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
-        if T == 32:  # a chain: every node an ancestor of the next, across the block boundary
+        if T == 32:
             parents = torch.arange(T) - 1
         mask = ancestor_mask_from_parents(parents).to(DEV)
         x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
@@ -187,11 +163,11 @@ def test_blocked_tree_kernel_matches_tree_wy(cfg):
         S0 = torch.randn(layer.rec_state.shape, generator=g_).to(DEV) * 0.5
         scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)
-        got = [torch.full_like(t, float("nan")) for t in scratch]
-        o = gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, got)
-        ERR.note("blocked tree verify", assert_rel(o, o_ref, 1e-5, f"T={T}"))
-        for a, b in zip(got, scratch):
-            ERR.note("blocked tree verify scratch", assert_rel(a, b, 1e-5, f"T={T}"))
+        got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
+        o = getattr(gdn_tree, kernel)(q, k, v, g, beta, S0, mask, got)
+        ERR.note(f"{kernel} verify", assert_rel(o, o_ref, 1e-5, f"T={T}"))
+        for a_, b_ in zip(got, scratch):
+            ERR.note(f"{kernel} verify scratch", assert_rel(a_, b_, 1e-5, f"T={T}"))
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
