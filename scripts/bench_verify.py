@@ -18,7 +18,6 @@ are upper bounds. Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -111,19 +110,18 @@ def random_parents(T: int, seed: int) -> list[int]:
                    for i in range(1, T)]
 
 
-def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]]) -> list[dict]:
+def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save) -> None:
+    """A row per tree size, appended to `rows`; save() after each (a stopped run keeps what it measured)."""
     model = gdn_layer(tc)
     layer = model.layers[0].linear_attn
     base = resolve(Options(), DEV)
-    rows = []
     for T in nodes:
         parents = torch.tensor(random_parents(T, T), device=DEV)
         mask = ancestor_mask_from_parents(parents.tolist()).to(DEV)
         step = model.make_step(torch.arange(T, device=DEV) + 100, mask, parents, torch.tensor(100, device=DEV),
                                100 + T)
         x = torch.randn(T, tc["hidden_size"], device=DEV, dtype=torch.bfloat16)
-        proj, ext = layer.project(x)
-        q, k, v, g, beta, z, _ = layer.qkvgb(x, step)
+        q, k, v, g, beta, _, _ = layer.qkvgb(x, step)
         kb, ub, cb = layer.wy_bufs
         scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
         S0 = layer.rec_state
@@ -176,12 +174,12 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]]) -> list[
             f"{n} {v['ms'] * 1e3:.1f} us ({v['err']:.1e})" if "ms" in v else f"{n} {v['error']}" for n, v in core.items()),
             flush=True)
         rows.append(row)
+        save()
         best = min((v["ms"], k) for k, v in sweep.items() if "ms" in v) if sweep else (float("nan"), "-")
         p = row["paths"]
         print(f"T={T:3d}  in_proj {proj_ms * 1e3:6.1f} us | wy {p['wy']['ms'] * 1e3:6.1f} us  kernel "
               f"{p['kernel']['ms'] * 1e3:6.1f} us  prologue {p['prologue']['ms'] * 1e3:6.1f} us "
               f"(err {p['prologue']['err']:.1e}) | best tile: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
-    return rows
 
 
 def main():
@@ -202,19 +200,24 @@ def main():
                commit=git_commit())
     out["copy_GBps"] = bw = copy_bandwidth() / 1e9
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+
+    def save():  # after every part and every tree size: a run stopped by its time limit keeps its rows
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(out, indent=1))
+
     parts = a.parts.split(",")
     if "gemms" in parts:
         rows = out["gemms"] = bench_gemms(tc, nodes, bw)
+        save()
         for T in nodes:
             mine = [r for r in rows if r["T"] == T]
             tot = sum(r["model_ms"] for r in mine)
             print(f"T={T:3d}  GEMMs of the model {tot:7.3f} ms  " + "  ".join(
                 f"{r['name']} {r['ms'] * 1e3:.1f}us({r['roofline_frac']:.0%})" for r in mine), flush=True)
     if "gdn" in parts:
-        out["gdn"] = bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles])
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(out, indent=1))
+        bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],
+                  out.setdefault("gdn", []), save)
 
 
 if __name__ == "__main__":
