@@ -184,12 +184,10 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     Shapes and `out` as gdn_tree; tiles (BV, warps)."""
     T, H, dk = q.shape
     dv = v.shape[-1]
-    kb, ub, cb = out
-    for t in (q, k, v, kb, ub):
+    for t in (q, k, v):
         assert t.stride(-1) == 1
-    assert cb.stride(-1) == 1 and S0.is_contiguous()
-    mask = path_mask.contiguous().view(torch.int8)
-    o = torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
+    mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
+    kb, ub, cb = out
     BV, warps = tiles or (min(32, _tile(dv)), 4)
     kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
@@ -241,13 +239,18 @@ def launch_tiles(T: int, dv: int) -> tuple[int, int]:
     return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4
 
 
-def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None):
+def _mask_and_output(path_mask, out, S0, T: int, H: int, dv: int):
+    """What both tree kernels' launchers check and make: the int8 path mask and o [T, H, dv] fp32."""
     kb, ub, cb = out
     for t in (kb, ub):
         assert t.stride(-1) == 1
     assert cb.stride(-1) == 1 and S0.is_contiguous()
-    mask = path_mask.contiguous().view(torch.int8)
-    o = torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
+    return path_mask.contiguous().view(torch.int8), torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
+
+
+def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None):
+    mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
+    kb, ub, cb = out
     BT = _tile(T)
     BV, warps = tiles or launch_tiles(T, dv)
     prologue = pro is not None
