@@ -7,7 +7,9 @@
    output: `prologue` (ddtree.ops.gdn_tree.gdn_tree_prologue: conv, norms, gates and recurrence in
    one kernel), `kernel` (the torch prologue qkvgb, then gdn_tree), `wy` (qkvgb, then gdn.tree_wy's
    cuBLAS path), and the one-kernel paths at each (BV, warps) of --tiles, each with its error
-   against tree_wy's output.
+   against tree_wy's output;
+3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree at its default
+   tiles, and gdn_tree_blocked (16-node blocks) at each (BV, warps) of --tiles.
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -110,8 +112,9 @@ def random_parents(T: int, seed: int) -> list[int]:
                    for i in range(1, T)]
 
 
-def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save) -> None:
-    """A row per tree size, appended to `rows`; save() after each (a stopped run keeps what it measured)."""
+def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save, core_only: bool = False) -> None:
+    """A row per tree size, appended to `rows`; save() after each (a stopped run keeps what it measured).
+    core_only: only the recurrence alone (tree_wy, the kernel, the blocked kernel per tile)."""
     model = gdn_layer(tc)
     layer = model.layers[0].linear_attn
     base = resolve(Options(), DEV)
@@ -145,10 +148,10 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
 
         proj_ms = graph_ms(lambda: layer.project(x))
         row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
-        for name, fn in (("wy", wy), ("kernel", kernel), ("prologue", prologue)):
+        for name, fn in () if core_only else (("wy", wy), ("kernel", kernel), ("prologue", prologue)):
             row["paths"][name] = dict(ms=graph_ms(fn) - proj_ms, err=err(fn()))
         sweep = {}
-        for t in tiles:
+        for t in () if core_only else tiles:
             for name, fn in (("kernel", kernel), ("prologue", prologue)):
                 key = f"{name} BV{t[0]} w{t[1]}"
                 try:
@@ -175,6 +178,8 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
             flush=True)
         rows.append(row)
         save()
+        if core_only:
+            continue
         best = min((v["ms"], k) for k, v in sweep.items() if "ms" in v) if sweep else (float("nan"), "-")
         p = row["paths"]
         print(f"T={T:3d}  in_proj {proj_ms * 1e3:6.1f} us | wy {p['wy']['ms'] * 1e3:6.1f} us  kernel "
@@ -185,7 +190,8 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="1,16,17,32,33,64")
-    ap.add_argument("--parts", default="gemms,gdn")
+    ap.add_argument("--parts", default="gemms,gdn",
+                    help="comma-separated: gemms, gdn (whole-layer paths and the tile sweep), core (the recurrence alone)")
     ap.add_argument("--tiles", nargs="*", default=["16,4", "32,4", "32,8", "64,8", "16,8"],
                     help="BV,WARPS pairs of the one-kernel paths to sweep")
     ap.add_argument("--out", default=None)
@@ -215,9 +221,10 @@ def main():
             tot = sum(r["model_ms"] for r in mine)
             print(f"T={T:3d}  GEMMs of the model {tot:7.3f} ms  " + "  ".join(
                 f"{r['name']} {r['ms'] * 1e3:.1f}us({r['roofline_frac']:.0%})" for r in mine), flush=True)
-    if "gdn" in parts:
-        bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],
-                  out.setdefault("gdn", []), save)
+    for part in ("gdn", "core"):
+        if part in parts:
+            bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],
+                      out.setdefault(part, []), save, core_only=part == "core")
 
 
 if __name__ == "__main__":
