@@ -197,6 +197,8 @@ class GatedDeltaNet(nn.Module):
         scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
         if kn.tree(T, self.dk):  # one kernel per layer (small trees; ddtree.ops.dispatch)
             o = gdn_tree.gdn_tree(q, k, v, g, beta, self.rec_state, s.path_mask, scratch, kn.tree_precision)
+        elif kn.blocked(T, self.dk):  # larger trees: the same kernel by 16-node blocks
+            o = gdn_tree.gdn_tree_blocked(q, k, v, g, beta, self.rec_state, s.path_mask, scratch, kn.tree_precision)
         else:
             o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=scratch)
         o = self.norm(o.to(x.dtype), z)  # [T, hv, dv]

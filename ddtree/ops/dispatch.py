@@ -27,6 +27,12 @@ from ddtree.options import Options
 # is not higher there.
 TREE_MAX_NODES = {"auto": 32, "on": 128, "off": 0}
 TREE_TILE = 2048
+# Past those sizes (and up to this many nodes) the recurrence runs by 16-node blocks
+# (gdn_tree.gdn_tree_blocked; tree_kernel auto or on) instead of tree_wy: the H200 measured the
+# recurrence alone at dk 128 in 30 / 30 / 45 / 67 us at 17 / 32 / 33 / 64 nodes against tree_wy's
+# 73 / 83 / 92 / 113 (scripts/bench_verify.py --parts core, results/verify-core-h200.json). Only
+# [16, *] tiles live at once, so shared memory does not bound it.
+TREE_BLOCKED_MAX_NODES = 128
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class Kernels:
     tree_tile: int = TREE_TILE  # ... and padded nodes x key width at most this
     tree_precision: str = "ieee"
     tree_prologue: int = 0  # the prologue inside that kernel for T <= this
+    tree_blocked: int = 0  # trees past that kernel's sizes, up to this many nodes: gdn_tree_blocked
     attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
     prefill_attention: str = "auto"  # ddtree.ops.attention.prefill_attention's backend (auto: math on CPU)
@@ -49,6 +56,10 @@ class Kernels:
 
     def prologue(self, T: int, dk: int) -> bool:
         return T <= self.tree_prologue and self.tree(T, dk)
+
+    def blocked(self, T: int, dk: int) -> bool:
+        """The 16-node-block tree kernel (for trees the one-tile kernel does not take)?"""
+        return 1 < T <= self.tree_blocked and not self.tree(T, dk)
 
 
 REFERENCE = Kernels()  # every op on its torch twin
@@ -69,6 +80,7 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
         tree_tile=TREE_TILE if options.tree_kernel == "auto" else 1 << 30,
         tree_precision=triton_util.dot_precision(options.tree_precision, a),
         tree_prologue=options.tree_prologue if tri else 0,
+        tree_blocked=TREE_BLOCKED_MAX_NODES if tri and options.tree_kernel != "off" else 0,
         attention=_attention(options, tri),
         fla=options.fla and dev.type == "cuda",
         prefill_attention=options.prefill_attention if dev.type == "cuda" else "auto",

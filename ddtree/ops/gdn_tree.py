@@ -5,7 +5,8 @@ unit-lower-triangular solve over ancestors, the output) in one kernel instead of
 GEMMs, a triangular solve, pointwise): on a small model every launch counts. One program per
 (value head, block of value channels): the solve is column-wise, so the blocks are independent.
 `gdn_tree_prologue` also computes the layer's prologue (tree convolution + SiLU, q/k norms, head
-repeat, gates) from the projection.
+repeat, gates) from the projection. `gdn_tree_blocked` takes larger trees by 16-node blocks, so
+that only [16, *] tiles live at once.
 """
 
 from __future__ import annotations
@@ -179,16 +180,16 @@ def _gdn_tree_blocked_kernel(
 
 @torch.compiler.disable
 def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, block: int = 16):
-    """gdn_tree by blocks of `block` nodes (_gdn_tree_blocked_kernel), for trees past one 16-node
-    tile. Not dispatched: scripts/bench_verify.py measures it against gdn_tree and tree_wy.
-    Shapes and `out` as gdn_tree; tiles (BV, warps)."""
+    """gdn_tree by blocks of `block` nodes (_gdn_tree_blocked_kernel), for the trees the one-tile
+    kernel does not take (ddtree.ops.dispatch). Shapes and `out` as gdn_tree; tiles (BV, warps)
+    instead of blocked_tiles'."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     for t in (q, k, v):
         assert t.stride(-1) == 1
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
-    BV, warps = tiles or (min(32, _tile(dv)), 4)
+    BV, warps = tiles or blocked_tiles(dv)
     kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
@@ -232,6 +233,12 @@ def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torc
            layer.hv // layer.hk, layer.hk * layer.dk, window.shape[1])
     return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, T, layer.hv, layer.dk,
                         layer.dv, pro, precision, tiles)
+
+
+def blocked_tiles(dv: int) -> tuple[int, int]:
+    """(BV, warps) of the blocked kernel: 64 channels and 8 warps were fastest or tied at every
+    size an H200 measured (17 to 64 nodes, dv 128: results/verify-core-h200.json)."""
+    return min(64, _tile(dv)), 8
 
 
 def launch_tiles(T: int, dv: int) -> tuple[int, int]:

@@ -234,6 +234,20 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method,
     assert toks[True] == toks[False] and calls
 
 
+def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch):
+    """A 41-node tree (budget 40: past auto's one-tile sizes at this model's dk 8) verified by
+    16-node blocks in every GDN layer: greedy tokens equal the torch path's, and the blocked
+    kernel was used."""
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    calls, real = [], gdn_tree.gdn_tree_blocked
+    monkeypatch.setattr(gdn_tree, "gdn_tree_blocked", lambda *a: calls.append(a[0].shape[0]) or real(*a))  # a spy
+    toks = {}
+    for on in (True, False):
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST if on else FAST.replace(tree_kernel="off"))
+        toks[on] = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
+    assert toks[True] == toks[False] and calls and set(calls) == {41}
+
+
 @pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40), (7, 128)])
 def test_kv_commit_kernel_matches_index_copy(P, W):
     """The attention K/V commit kernel against index_select + index_copy_ on random paths whose

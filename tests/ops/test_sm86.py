@@ -303,10 +303,10 @@ def distinct(launches: list[Launch], cc: int) -> list[dict]:
 # arguments' alignment specialisation, which does move shared memory (the attention kernel:
 # 28 vs 32 KB for the same tiles).
 SCALARS = {"_tree_kernel": ("B", "K", "KBV", "D"), "_walk_kernel": ("T", "P", "PK"), "_gdn_tree_kernel": ("T",),
-           "_kv_commit_kernel": ("P",)}
+           "_gdn_tree_blocked_kernel": ("T",), "_kv_commit_kernel": ("P",)}
 EXHAUSTIVE = os.environ.get("DDTREE_SM86_ALL") == "1"
-KERNELS = {"_gdn_step_kernel": "gdn", "_gdn_tree_kernel": "gdn", "_gdn_commit_kernel": "gdn", "_conv_commit_kernel": "gdn",
-           "_kv_commit_kernel": "kv", "_tree_kernel": "tree", "_walk_kernel": "walk", "_attn_fwd_kernel": "attention",
+KERNELS = {"_gdn_step_kernel": "gdn", "_gdn_tree_kernel": "gdn", "_gdn_tree_blocked_kernel": "gdn",
+           "_gdn_commit_kernel": "gdn", "_conv_commit_kernel": "gdn", "_kv_commit_kernel": "kv", "_tree_kernel": "tree", "_walk_kernel": "walk", "_attn_fwd_kernel": "attention",
            "_attn_merge_kernel": "attention"}  # kernel -> the launches that make it
 MISSING = {"gdn": TARGET_MISSING, "attention": ATTENTION_MISSING}  # a family that cannot be recorded, and why
 FAMILIES = {f for f in KERNELS.values() if not MISSING.get(f)}
@@ -457,6 +457,7 @@ def _old_resolve(options: Options) -> dispatch.Kernels:
         tree_max_nodes=dispatch.TREE_MAX_NODES[options.tree_kernel] if options.triton else 0,
         tree_tile=dispatch.TREE_TILE if options.tree_kernel == "auto" else 1 << 30,
         tree_precision=options.tree_precision, tree_prologue=options.tree_prologue if options.triton else 0,
+        tree_blocked=dispatch.TREE_BLOCKED_MAX_NODES if options.triton and options.tree_kernel != "off" else 0,
         attention=dispatch._attention(options, options.triton), fla=options.fla)
 
 
@@ -478,6 +479,41 @@ def test_a6000_choices(opt):
     if opt.triton:
         k = dispatch.resolve(opt, "cuda", A6000)
         assert k.tree(64, 64) == (opt.tree_kernel == "on") and not k.tree(65, 64)
+
+
+@pytest.mark.parametrize("props", [H200, A6000], ids=["h200", "a6000"])
+def test_each_tree_size_takes_one_tree_kernel(props):
+    """At the 27B's dk 128, every tree of 2..128 nodes takes exactly one of the two tree kernels:
+    auto the one-tile kernel up to 16 nodes and 16-node blocks past it; on the one-tile kernel as
+    far as shared memory allows (128 / 64 nodes) and blocks past that; off and no Triton neither."""
+    one = {"auto": 16, "on": gdn_tree.max_nodes(_arch(props))}
+    for mode in ("auto", "on", "off"):
+        for triton_on in (True, False):
+            k = dispatch.resolve(Options(tree_kernel=mode, triton=triton_on), "cuda", props)
+            for T in range(2, 130):
+                want = ("none" if mode == "off" or not triton_on or T > 128
+                        else "tree" if T <= one[mode] else "blocked")
+                got = "tree" if k.tree(T, 128) else "blocked" if k.blocked(T, 128) else "none"
+                assert got == want, (mode, triton_on, T)
+                assert not (k.tree(T, 128) and k.blocked(T, 128))
+
+
+def test_blocked_kernel_tiles(monkeypatch):
+    """gdn_tree_blocked's launch: 16-node blocks, 64 value channels (or the whole dv below that)
+    and 8 warps, one program per value head and channel block."""
+    for T, dk, dv in ((17, 128, 128), (65, 128, 128), (128, 64, 32)):
+        log: list = []
+        _recording(monkeypatch, A6000, log)
+        H, f32 = 4, dict(dtype=torch.float32, device=META)
+        q = torch.empty(T, H, dk, **f32)
+        out = (torch.empty(H, T, dk, **f32), torch.empty(H, T, dv, **f32), torch.empty(H, T, **f32))
+        gdn_tree.gdn_tree_blocked(q, torch.empty_like(q), torch.empty(T, H, dv, **f32), torch.empty(T, H, **f32),
+                                  torch.empty(T, H, **f32), torch.empty(H, dk, dv, **f32),
+                                  torch.empty(T, T, dtype=torch.bool, device=META), out, "tf32x3")
+        (launch,) = log
+        c = launch.kwargs
+        assert (c["SB"], c["BT"], c["BK"], c["BV"], c["NSQ"], c["num_warps"]) == (
+            16, max(16, 1 << (T - 1).bit_length()), dk, min(64, dv if dv >= 16 else 16), 3, 8), (T, dk, dv)
 
 
 def _tree_launches(monkeypatch, props, T: int, dk: int, dv: int, precision: str) -> list[Launch]:
