@@ -483,16 +483,17 @@ def test_a6000_choices(opt):
 
 @pytest.mark.parametrize("props", [H200, A6000], ids=["h200", "a6000"])
 def test_each_tree_size_takes_one_tree_kernel(props):
-    """At the 27B's dk 128, every tree of 2..128 nodes takes exactly one of the two tree kernels:
-    auto the one-tile kernel up to 16 nodes and 16-node blocks past it; on the one-tile kernel as
-    far as shared memory allows (128 / 64 nodes) and blocks past that; off and no Triton neither."""
+    """At the 27B's dk 128, a tree of 2..129 nodes takes at most one of the two tree kernels:
+    auto the one-tile kernel up to 16 nodes and 16-node blocks up to TREE_BLOCKED_MAX_NODES; on
+    the one-tile kernel as far as shared memory allows (128 / 64 nodes) and blocks past that up to
+    the same bound; off and no Triton neither (tree_wy)."""
     one = {"auto": 16, "on": gdn_tree.max_nodes(_arch(props))}
     for mode in ("auto", "on", "off"):
         for triton_on in (True, False):
             k = dispatch.resolve(Options(tree_kernel=mode, triton=triton_on), "cuda", props)
             for T in range(2, 130):
                 want = ("none" if mode == "off" or not triton_on or T > 128
-                        else "tree" if T <= one[mode] else "blocked")
+                        else "tree" if T <= one[mode] else "blocked" if T <= dispatch.TREE_BLOCKED_MAX_NODES else "none")
                 got = "tree" if k.tree(T, 128) else "blocked" if k.blocked(T, 128) else "none"
                 assert got == want, (mode, triton_on, T)
                 assert not (k.tree(T, 128) and k.blocked(T, 128))
