@@ -8,8 +8,8 @@
    one kernel), `kernel` (the torch prologue qkvgb, then gdn_tree), `wy` (qkvgb, then gdn.tree_wy's
    cuBLAS path), and the one-kernel paths at each (BV, warps) of --tiles, each with its error
    against tree_wy's output;
-3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree at its default
-   tiles, and gdn_tree_blocked (16-node blocks) at each (BV, warps) of --tiles.
+3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree and
+   gdn_tree_blocked (16-node blocks) at their default tiles, the latter also at each of --tiles.
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -166,6 +166,7 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
         core = {}
         for name, fn in (("wy", lambda: gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)[0]),
                          ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
+                         ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
                          *((f"blocked BV{t[0]} w{t[1]}", lambda t=t: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, tiles=t)) for t in tiles)):
             try:

@@ -29,8 +29,8 @@ TREE_MAX_NODES = {"auto": 32, "on": 128, "off": 0}
 TREE_TILE = 2048
 # Past those sizes (and up to this many nodes) the recurrence runs by 16-node blocks
 # (gdn_tree.gdn_tree_blocked; tree_kernel auto or on) instead of tree_wy: the H200 measured the
-# recurrence alone at dk 128 in 30 / 30 / 45 / 67 us at 17 / 32 / 33 / 64 nodes against tree_wy's
-# 73 / 83 / 92 / 113 (scripts/bench_verify.py --parts core, results/verify-core-h200.json). Past
+# recurrence alone at dk 128 in 27 / 25 / 46 / 62 us at 17 / 32 / 33 / 64 nodes against tree_wy's
+# 73 / 81 / 92 / 112 (scripts/bench_verify.py --parts core, results/verify-core-tiles-h200.json). Past
 # 64 nodes it loses to the engine's compiled tree_wy: a 65-node verify took 2.4 ms more through
 # it (results/engine-blocked65-h200.log).
 TREE_BLOCKED_MAX_NODES = 64

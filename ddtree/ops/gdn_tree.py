@@ -189,7 +189,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
         assert t.stride(-1) == 1
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
-    BV, warps = tiles or blocked_tiles(dv)
+    BV, warps = tiles or blocked_tiles(T, dv)
     kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
@@ -235,10 +235,12 @@ def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torc
                         layer.dv, pro, precision, tiles)
 
 
-def blocked_tiles(dv: int) -> tuple[int, int]:
-    """(BV, warps) of the blocked kernel: 64 channels and 8 warps were fastest or tied at every
-    size an H200 measured (17 to 64 nodes, dv 128: results/verify-core-h200.json)."""
-    return min(64, _tile(dv)), 8
+def blocked_tiles(T: int, dv: int) -> tuple[int, int]:
+    """(BV, warps) of the blocked kernel for a T-node tree: 64 channels; 4 warps, but 8 for three
+    blocks. An H200 measured, dv 128, BV 64 with 4 / 8 warps: 26.8 / 29.9 us at 17 nodes, 24.8 /
+    31.1 at 32, 51.7 / 45.9 at 33, 61.6 / 68.8 at 64; BV 32 / 128 and 16 were slower
+    (results/verify-core-tiles-h200.json, verify-core-h200.json)."""
+    return min(64, _tile(dv)), 8 if 32 < T <= 48 else 4
 
 
 def launch_tiles(T: int, dv: int) -> tuple[int, int]:

@@ -500,9 +500,10 @@ def test_each_tree_size_takes_one_tree_kernel(props):
 
 
 def test_blocked_kernel_tiles(monkeypatch):
-    """gdn_tree_blocked's launch: 16-node blocks, 64 value channels (or the whole dv below that)
-    and 8 warps, one program per value head and channel block."""
-    for T, dk, dv in ((17, 128, 128), (65, 128, 128), (128, 64, 32)):
+    """gdn_tree_blocked's launch: 16-node blocks, 64 value channels (or the whole dv below that),
+    4 warps but 8 for three blocks (33..48 nodes)."""
+    for T, dk, dv, warps in ((17, 128, 128, 4), (33, 128, 128, 8), (48, 128, 128, 8), (49, 128, 64, 4),
+                             (128, 64, 32, 4)):
         log: list = []
         _recording(monkeypatch, A6000, log)
         H, f32 = 4, dict(dtype=torch.float32, device=META)
@@ -514,7 +515,7 @@ def test_blocked_kernel_tiles(monkeypatch):
         (launch,) = log
         c = launch.kwargs
         assert (c["SB"], c["BT"], c["BK"], c["BV"], c["NSQ"], c["num_warps"]) == (
-            16, max(16, 1 << (T - 1).bit_length()), dk, min(64, dv if dv >= 16 else 16), 3, 8), (T, dk, dv)
+            16, max(16, 1 << (T - 1).bit_length()), dk, min(64, dv if dv >= 16 else 16), 3, warps), (T, dk, dv)
 
 
 def _tree_launches(monkeypatch, props, T: int, dk: int, dv: int, precision: str) -> list[Launch]:
