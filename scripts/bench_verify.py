@@ -9,7 +9,8 @@
    cuBLAS path), and the one-kernel paths at each (BV, warps) of --tiles, each with its error
    against tree_wy's output;
 3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree and
-   gdn_tree_blocked (16-node blocks) at their default tiles, the latter also at each of --tiles.
+   gdn_tree_blocked (16-node blocks; `root`: with the root folded into the state first) at their
+   default tiles, the latter also at each of --tiles.
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -167,8 +168,11 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
         for name, fn in (("wy", lambda: gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)[0]),
                          ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
-                         *((f"blocked BV{t[0]} w{t[1]}", lambda t=t: gdn_tree.gdn_tree_blocked(
-                             q, k, v, g, beta, S0, mask, scratch, prec, tiles=t)) for t in tiles)):
+                         ("blocked root", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec,
+                                                                            root=True)),
+                         *((f"blocked{' root' if r else ''} BV{t[0]} w{t[1]}", lambda t=t, r=r: gdn_tree.gdn_tree_blocked(
+                             q, k, v, g, beta, S0, mask, scratch, prec, tiles=t, root=r))
+                           for t in tiles for r in (False, True))):
             try:
                 core[name] = dict(ms=graph_ms(fn), err=err(fn()))
             except Exception as e:  # a tile past the shared memory: noted, not fatal

@@ -120,17 +120,20 @@ def _gdn_tree_blocked_kernel(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
 ):
     # _gdn_tree_kernel's math by blocks of SB nodes, in order (ancestors come first): block b's
     # right-hand side loses A[b, c] @ U[c] for every earlier block c (U[c] read back from the
     # scratch this program wrote), then its own unit-lower-triangular block is solved by squarings
     # of an [SB, SB] tile. Only [SB, *] tiles live at once, whatever T is.
+    # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
+    # first, S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative
+    # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks.
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0
     f32 = tl.float32
-    NB: tl.constexpr = (T + SB - 1) // SB
+    NB: tl.constexpr = (T - ROOT + SB - 1) // SB
     oa = tl.arange(0, BT)  # every node: the path mask's columns
     ma = oa < T
     g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
@@ -139,8 +142,23 @@ def _gdn_tree_blocked_kernel(
     ov = vb * BV + tl.arange(0, BV)
     mk, mv = ok < DK, ov < DV
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    c0 = 0.0
+    if ROOT:
+        c0 = tl.load(g + h * s_gh).to(f32)
+        e0 = tl.exp(c0)
+        k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)  # [BK]
+        q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)
+        v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
+        b0 = tl.load(beta + h * s_bh).to(f32)
+        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
+        o0 = e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0
+        tl.store(o + h * s_oh + ov, o0, mask=mv)
+        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
+        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
+        tl.store(cbuf + h * s_cbh, c0, mask=first)
+        S = e0 * S + k0[:, None] * u0[None, :]
     for b in range(NB):
-        rb = b * SB + os_
+        rb = ROOT + b * SB + os_
         mb = rb < T
         on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
         c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # [SB]: summed log-decay along each path
@@ -152,11 +170,11 @@ def _gdn_tree_blocked_kernel(
         Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
         Vb = tl.load(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], mask=mbv, other=0.0).to(f32)  # [SB, BV]
         bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
-        ec = tl.exp(c_b)
+        ec = tl.exp(c_b - c0)  # (ROOT: against S', the root's decay taken out)
         R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
         O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
         for c in range(b):  # the earlier blocks: their solved U, through the ancestor mask
-            rc = c * SB + os_
+            rc = ROOT + c * SB + os_
             on_c = tl.load(mask + rc[:, None] * T + oa[None, :], mask=ma[None, :], other=0) != 0
             c_c = tl.sum(tl.where(on_c, g_all[None, :], 0.0), 1)
             on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
@@ -179,17 +197,20 @@ def _gdn_tree_blocked_kernel(
 
 
 @torch.compiler.disable
-def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, block: int = 16):
+def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, block: int = 16,
+                     root: bool = False):
     """gdn_tree by blocks of `block` nodes (_gdn_tree_blocked_kernel), for the trees the one-tile
     kernel does not take (ddtree.ops.dispatch). Shapes and `out` as gdn_tree; tiles (BV, warps)
-    instead of blocked_tiles'."""
+    instead of blocked_tiles'. root: node 0 is an ancestor of every node (true of every verify
+    tree; not checked), folded into the state first so that 16m + 1 nodes are m blocks; not
+    dispatched until measured (scripts/bench_verify.py --parts core times it)."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     for t in (q, k, v):
         assert t.stride(-1) == 1
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
-    BV, warps = tiles or blocked_tiles(T, dv)
+    BV, warps = tiles or blocked_tiles(T - root, dv)
     kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
@@ -198,8 +219,8 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             T=T, DK=dk, DV=dv, BT=_tile(T), SB=block, BK=_tile(dk), BV=BV,
-            NSQ=max(0, (min(T, block) - 1).bit_length() - 1), num_warps=warps,
-            PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
+            NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=warps,
+            PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)), ROOT=int(root),
         )
     return o
 
@@ -236,8 +257,8 @@ def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torc
 
 
 def blocked_tiles(T: int, dv: int) -> tuple[int, int]:
-    """(BV, warps) of the blocked kernel for a T-node tree: 64 channels; 4 warps, but 8 for three
-    blocks. An H200 measured, dv 128, BV 64 with 4 / 8 warps: 26.8 / 29.9 us at 17 nodes, 24.8 /
+    """(BV, warps) of the blocked kernel for T nodes in blocks: 64 channels; 4 warps, but 8 for
+    three blocks. An H200 measured, dv 128, BV 64 with 4 / 8 warps: 26.8 / 29.9 us at 17 nodes, 24.8 /
     31.1 at 32, 51.7 / 45.9 at 33, 61.6 / 68.8 at 64; BV 32 / 128 and 16 were slower
     (results/verify-core-tiles-h200.json, verify-core-h200.json)."""
     return min(64, _tile(dv)), 8 if 32 < T <= 48 else 4

@@ -141,12 +141,21 @@ def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, bud
     assert kernel_walks  # every method walks its verified tree in the walk kernel
 
 
-@pytest.mark.parametrize("kernel", ["gdn_tree", "gdn_tree_blocked"])
+TREE_KERNELS = {
+    "gdn_tree": lambda *a: gdn_tree.gdn_tree(*a),
+    "gdn_tree_blocked": lambda *a: gdn_tree.gdn_tree_blocked(*a),
+    "gdn_tree_blocked_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=True),
+}
+
+
+@pytest.mark.parametrize("kernel", list(TREE_KERNELS))
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_tree_kernel_matches_tree_wy(cfg, kernel):
-    """The tree-verify kernel (whole tiles, or by 16-node blocks) against gdn.tree_wy on random
-    trees of 2..65 nodes (one block, a full one, two to five, the last partial; 32: a chain across
-    a block edge), with the strided q / k / v views the layer passes: outputs and commit scratch."""
+    """The tree-verify kernel (whole tiles, by 16-node blocks, or by blocks after the root is
+    folded into the state) against gdn.tree_wy on random trees of 2..65 nodes rooted at node 0
+    (one block, a full one, two to five, the last partial or, with the root folded, 17 / 33 / 65
+    in whole blocks; 32: a chain across a block edge), with the strided q / k / v views the layer
+    passes: outputs and commit scratch."""
     from ddtree.ops.tree import ancestor_mask_from_parents
 
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=1, device=DEV)
@@ -164,7 +173,7 @@ def test_tree_kernel_matches_tree_wy(cfg, kernel):
         scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)
         got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
-        o = getattr(gdn_tree, kernel)(q, k, v, g, beta, S0, mask, got)
+        o = TREE_KERNELS[kernel](q, k, v, g, beta, S0, mask, got)
         ERR.note(f"{kernel} verify", assert_rel(o, o_ref, 1e-5, f"T={T}"))
         for a_, b_ in zip(got, scratch):
             ERR.note(f"{kernel} verify scratch", assert_rel(a_, b_, 1e-5, f"T={T}"))
