@@ -504,31 +504,24 @@ def test_blocked_kernel_tiles(monkeypatch):
     4 warps but 8 for three blocks (33..48 nodes)."""
     for T, dk, dv, warps in ((17, 128, 128, 4), (33, 128, 128, 8), (48, 128, 128, 8), (49, 128, 64, 4),
                              (128, 64, 32, 4)):
-        log: list = []
-        _recording(monkeypatch, A6000, log)
-        H, f32 = 4, dict(dtype=torch.float32, device=META)
-        q = torch.empty(T, H, dk, **f32)
-        out = (torch.empty(H, T, dk, **f32), torch.empty(H, T, dv, **f32), torch.empty(H, T, **f32))
-        gdn_tree.gdn_tree_blocked(q, torch.empty_like(q), torch.empty(T, H, dv, **f32), torch.empty(T, H, **f32),
-                                  torch.empty(T, H, **f32), torch.empty(H, dk, dv, **f32),
-                                  torch.empty(T, T, dtype=torch.bool, device=META), out, "tf32x3")
-        (launch,) = log
+        (launch,) = _tree_launches(monkeypatch, A6000, T, dk, dv, "tf32x3", gdn_tree.gdn_tree_blocked)
         c = launch.kwargs
         assert (c["SB"], c["BT"], c["BK"], c["BV"], c["NSQ"], c["num_warps"]) == (
             16, max(16, 1 << (T - 1).bit_length()), dk, min(64, dv if dv >= 16 else 16), 3, warps), (T, dk, dv)
 
 
-def _tree_launches(monkeypatch, props, T: int, dk: int, dv: int, precision: str) -> list[Launch]:
-    """gdn_tree's launch for a T-node tree (called directly: dispatch would send some to tree_wy)."""
+def _tree_launches(monkeypatch, props, T: int, dk: int, dv: int, precision: str, launcher=None) -> list[Launch]:
+    """The launch of a tree kernel's launcher (default gdn_tree.gdn_tree) for a T-node tree, called
+    directly: dispatch would send some sizes elsewhere."""
     log: list = []
     _recording(monkeypatch, props, log)
     H = 4
     f32 = dict(dtype=torch.float32, device=META)
     q = torch.empty(T, H, dk, **f32)
     out = (torch.empty(H, T, dk, **f32), torch.empty(H, T, dv, **f32), torch.empty(H, T, **f32))
-    gdn_tree.gdn_tree(q, torch.empty_like(q), torch.empty(T, H, dv, **f32), torch.empty(T, H, **f32),
-                      torch.empty(T, H, **f32), torch.empty(H, dk, dv, **f32),
-                      torch.empty(T, T, dtype=torch.bool, device=META), out, precision)
+    (launcher or gdn_tree.gdn_tree)(q, torch.empty_like(q), torch.empty(T, H, dv, **f32), torch.empty(T, H, **f32),
+                                    torch.empty(T, H, **f32), torch.empty(H, dk, dv, **f32),
+                                    torch.empty(T, T, dtype=torch.bool, device=META), out, precision)
     return log
 
 
