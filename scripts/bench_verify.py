@@ -10,7 +10,8 @@
    against tree_wy's output;
 3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree and
    gdn_tree_blocked (16-node blocks; `root`: with the root folded into the state first) at their
-   default tiles, the latter also at each of --tiles.
+   default tiles, the latter also at each of --tiles; and `blocked prologue`
+   (gdn_tree_blocked_prologue: the prologue too, from the projection, less the projection's time).
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -147,6 +148,10 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
             pj, ex = layer.project(x)
             return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
+        def blocked_prologue():  # the dispatch's root rule (gdn_tree.fold_root); timed less the projection
+            pj, ex = layer.project(x)
+            return gdn_tree.gdn_tree_blocked_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec)
+
         proj_ms = graph_ms(lambda: layer.project(x))
         row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
         for name, fn in () if core_only else (("wy", wy), ("kernel", kernel), ("prologue", prologue)):
@@ -167,14 +172,16 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
         core = {}
         for name, fn in (("wy", lambda: gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)[0]),
                          ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
-                         ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
+                         ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec,
+                                                                       root=False)),
                          ("blocked root", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec,
                                                                             root=True)),
+                         ("blocked prologue", blocked_prologue),
                          *((f"blocked{' root' if r else ''} BV{t[0]} w{t[1]}", lambda t=t, r=r: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, tiles=t, root=r))
                            for t in tiles for r in (False, True))):
             try:
-                core[name] = dict(ms=graph_ms(fn), err=err(fn()))
+                core[name] = dict(ms=graph_ms(fn) - (proj_ms if fn is blocked_prologue else 0.0), err=err(fn()))
             except Exception as e:  # a tile past the shared memory: noted, not fatal
                 core[name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
         row["core"] = core

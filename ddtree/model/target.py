@@ -205,14 +205,16 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, -1))
 
     def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
-        """A small tree's verify with the prologue inside the tree kernel (gdn_tree.gdn_tree_prologue;
-        twin: the qkvgb + gdn_tree path of forward)."""
-        T = x.shape[0]
+        """A tree's verify with the prologue inside the tree kernel: one tile
+        (gdn_tree.gdn_tree_prologue) or 16-node blocks (gdn_tree_blocked_prologue); twin: the
+        qkvgb + gdn_tree path of forward."""
+        T, kn = x.shape[0], s.kernels
         proj, ext = self.project(x)
         z = proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
         kb, ub, cb = self.wy_bufs
-        o = gdn_tree.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask,
-                                       (kb[:, :T], ub[:, :T], cb[:, :T]), s.kernels.tree_precision)
+        run = gdn_tree.gdn_tree_prologue if kn.tree(T, self.dk) else gdn_tree.gdn_tree_blocked_prologue
+        o = run(self, proj, ext, s.window, self.rec_state, s.path_mask, (kb[:, :T], ub[:, :T], cb[:, :T]),
+                kn.tree_precision)
         o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, -1))
 

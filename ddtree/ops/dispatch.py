@@ -33,7 +33,7 @@ TREE_TILE = 2048
 # 73 / 81 / 92 / 112 (scripts/bench_verify.py --parts core, results/verify-core-tiles-h200.json). Past
 # 64 nodes it loses to the engine's compiled tree_wy: a 65-node verify took 2.4 ms more through
 # it (results/engine-blocked65-h200.log).
-TREE_BLOCKED_MAX_NODES = 64
+TREE_BLOCKED_MAX_NODES = 65
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Kernels:
     tree_max_nodes: int = 0  # tree-verify GDN kernel for 1 < T <= this
     tree_tile: int = TREE_TILE  # ... and padded nodes x key width at most this
     tree_precision: str = "ieee"
-    tree_prologue: int = 0  # the prologue inside that kernel for T <= this
+    tree_prologue: int = 0  # the prologue inside the tree kernel (one tile or blocks) for T <= this
     tree_blocked: int = 0  # trees past that kernel's sizes, up to this many nodes: gdn_tree_blocked
     attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
@@ -56,7 +56,8 @@ class Kernels:
         return 1 < T <= self.tree_max_nodes and tile(T) * tile(dk) <= self.tree_tile
 
     def prologue(self, T: int, dk: int) -> bool:
-        return T <= self.tree_prologue and self.tree(T, dk)
+        """The GDN prologue inside the tree kernel (either one) for this tree?"""
+        return T <= self.tree_prologue and (self.tree(T, dk) or self.blocked(T, dk))
 
     def blocked(self, T: int, dk: int) -> bool:
         """The 16-node-block tree kernel (for trees the one-tile kernel does not take)?"""

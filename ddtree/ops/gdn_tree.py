@@ -34,6 +34,50 @@ def max_nodes(a: Arch | None) -> int:
     return bt
 
 
+def _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.constexpr, W: tl.constexpr):
+    """The prologue's q, k, v for tree nodes `rows` (mrow: valid) on conv channels cq, ck [BK]
+    and cv [BV], as GatedDeltaNet.qkvgb computes them: each node's window of conv inputs (rows of
+    ext, through `window`) by the depthwise conv, SiLU rounded to the model dtype (as tree_conv's
+    output is), then the l2 norms (q also * DK^-0.5). -> Q, K [R, BK], V [R, BV] fp32, 0 on
+    invalid rows."""
+    f32 = tl.float32
+    dt = ext.dtype.element_ty
+    mrk = mrow[:, None] & mk[None, :]
+    mrv = mrow[:, None] & mv[None, :]
+    row = tl.load(window + rows * W, mask=mrow, other=0)
+    aq = tl.load(conv_w + cq, mask=mk, other=0.0)[None, :] * \
+        tl.load(ext + row[:, None] * C + cq[None, :], mask=mrk, other=0.0).to(f32)
+    ak = tl.load(conv_w + ck, mask=mk, other=0.0)[None, :] * \
+        tl.load(ext + row[:, None] * C + ck[None, :], mask=mrk, other=0.0).to(f32)
+    av = tl.load(conv_w + cv, mask=mv, other=0.0)[None, :] * \
+        tl.load(ext + row[:, None] * C + cv[None, :], mask=mrv, other=0.0).to(f32)
+    for j in tl.static_range(1, W):  # the other taps of each node's window
+        row = tl.load(window + rows * W + j, mask=mrow, other=0)
+        aq += tl.load(conv_w + j * C + cq, mask=mk, other=0.0)[None, :] * \
+            tl.load(ext + row[:, None] * C + cq[None, :], mask=mrk, other=0.0).to(f32)
+        ak += tl.load(conv_w + j * C + ck, mask=mk, other=0.0)[None, :] * \
+            tl.load(ext + row[:, None] * C + ck[None, :], mask=mrk, other=0.0).to(f32)
+        av += tl.load(conv_w + j * C + cv, mask=mv, other=0.0)[None, :] * \
+            tl.load(ext + row[:, None] * C + cv[None, :], mask=mrv, other=0.0).to(f32)
+    Q = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
+    K = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
+    V = (av / (1.0 + tl.exp(-av))).to(dt, fp_downcast_rounding="rtne").to(f32)
+    Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None] * (1.0 / tl.sqrt(DK * 1.0))
+    K = K / tl.sqrt(tl.sum(K * K, 1) + 1e-6)[:, None]
+    return Q, K, V
+
+
+def _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mrow):
+    """The prologue's gates of value head h for nodes `rows`: g = -exp(A_log) softplus(a +
+    dt_bias), beta = sigmoid(b), from the projection's b and a columns (b at zb + h, a at zb +
+    HV + h). -> g, beta [R] fp32, 0 on invalid rows."""
+    f32 = tl.float32
+    bb = tl.load(proj + rows * s_pt + zb + h, mask=mrow, other=0.0).to(f32)
+    aa = tl.load(proj + rows * s_pt + zb + HV + h, mask=mrow, other=0.0).to(f32) + tl.load(dt_bias + h).to(f32)
+    gg = tl.where(mrow, tl.load(neg_a + h) * tl.where(aa > 20.0, aa, tl.log(1.0 + tl.exp(aa))), 0.0)
+    return gg, tl.where(mrow, 1.0 / (1.0 + tl.exp(-bb)), 0.0)
+
+
 def _gdn_tree_kernel(
     q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
@@ -56,33 +100,9 @@ def _gdn_tree_kernel(
     mtk = mt[:, None] & mk[None, :]
     mtv = mt[:, None] & mv[None, :]
     if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
-        dt = ext.dtype.element_ty
-        kh = h // REP  # the key head of this value head
-        cq = kh * DK + ok  # conv channels of q, k and v
-        ck = KD + kh * DK + ok
-        cv = 2 * KD + h * DV + ov
-        aq = tl.zeros([BT, BK], dtype=f32)
-        ak = tl.zeros([BT, BK], dtype=f32)
-        av = tl.zeros([BT, BV], dtype=f32)
-        for j in tl.static_range(W):  # the tree convolution: each node's window rows of ext
-            row = tl.load(window + ot * W + j, mask=mt, other=0)
-            aq += tl.load(conv_w + j * C + cq, mask=mk, other=0.0)[None, :] * \
-                tl.load(ext + row[:, None] * C + cq[None, :], mask=mtk, other=0.0).to(f32)
-            ak += tl.load(conv_w + j * C + ck, mask=mk, other=0.0)[None, :] * \
-                tl.load(ext + row[:, None] * C + ck[None, :], mask=mtk, other=0.0).to(f32)
-            av += tl.load(conv_w + j * C + cv, mask=mv, other=0.0)[None, :] * \
-                tl.load(ext + row[:, None] * C + cv[None, :], mask=mtv, other=0.0).to(f32)
-        # SiLU, rounded to the model dtype as tree_conv's output is; then the l2 norms (q also * DK^-0.5)
-        Q = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
-        K = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
-        V = (av / (1.0 + tl.exp(-av))).to(dt, fp_downcast_rounding="rtne").to(f32)
-        Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None] * (1.0 / tl.sqrt(DK * 1.0))
-        K = K / tl.sqrt(tl.sum(K * K, 1) + 1e-6)[:, None]
-        zb = C + HV * DV  # b, then a, after qkv and z in the projection row
-        bb = tl.load(proj + ot * s_pt + zb + h, mask=mt, other=0.0).to(f32)
-        aa = tl.load(proj + ot * s_pt + zb + HV + h, mask=mt, other=0.0).to(f32) + tl.load(dt_bias + h).to(f32)
-        gg = tl.where(mt, tl.load(neg_a + h) * tl.where(aa > 20.0, aa, tl.log(1.0 + tl.exp(aa))), 0.0)
-        bb = tl.where(mt, 1.0 / (1.0 + tl.exp(-bb)), 0.0)
+        cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
+        Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, ot, mt, mk, mv, DK, W)
+        gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, ot, mt)  # b, a after qkv and z
     else:
         K = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
         gg = tl.load(g + ot * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
@@ -119,16 +139,22 @@ def _gdn_tree_blocked_kernel(
     q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
+    ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
+    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
 ):
     # _gdn_tree_kernel's math by blocks of SB nodes, in order (ancestors come first): block b's
     # right-hand side loses A[b, c] @ U[c] for every earlier block c (U[c] read back from the
-    # scratch this program wrote), then its own unit-lower-triangular block is solved by squarings
-    # of an [SB, SB] tile. Only [SB, *] tiles live at once, whatever T is.
+    # scratch this program wrote), then its own unit-lower-triangular block is solved by the
+    # inverse of an [SB, SB] tile, made by squarings before the earlier blocks are read (so one
+    # product waits for them). Only [SB, *] tiles live at once, whatever T is.
     # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
     # first, S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative
-    # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks.
+    # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks. The step runs as [SB, *] tile
+    # products with node 0 in row 0, as a block's.
+    # PROLOGUE: q, k, v, g, beta from the projection (_qkv_rows, _gate_rows) block by block; every
+    # program of a head writes the same k scratch and reads earlier blocks' k back from it.
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0
@@ -136,40 +162,69 @@ def _gdn_tree_blocked_kernel(
     NB: tl.constexpr = (T - ROOT + SB - 1) // SB
     oa = tl.arange(0, BT)  # every node: the path mask's columns
     ma = oa < T
-    g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
     os_ = tl.arange(0, SB)
     ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)
     mk, mv = ok < DK, ov < DV
+    cq = h // REP * DK + ok  # PROLOGUE: conv channels of q, k (of this value head's key head) and v
+    ck = KD + cq
+    cv = 2 * KD + h * DV + ov
+    zb = C + HV * DV  # PROLOGUE: the b and a columns after qkv and z in the projection row
+    if PROLOGUE:
+        g_all = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, oa, ma)[0]  # [BT]
+    else:
+        g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)
+    eye = tl.where(os_[:, None] == os_[None, :], 1.0, 0.0)  # [SB, SB]
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
     c0 = 0.0
     if ROOT:
-        c0 = tl.load(g + h * s_gh).to(f32)
+        m0 = os_ == 0  # node 0 in row 0 of [SB, *] tiles, the other rows 0
+        m0k = m0[:, None] & mk[None, :]
+        m0v = m0[:, None] & mv[None, :]
+        if PROLOGUE:
+            Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, os_, m0, mk, mv, DK, W)
+            b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, os_, m0)[1]
+        else:
+            K0 = tl.load(k + os_[:, None] * s_kt + h * s_kh + ok[None, :], mask=m0k, other=0.0).to(f32)  # [SB, BK]
+            Q0 = tl.load(q + os_[:, None] * s_qt + h * s_qh + ok[None, :], mask=m0k, other=0.0).to(f32)
+            V0 = tl.load(v + os_[:, None] * s_vt + h * s_vh + ov[None, :], mask=m0v, other=0.0).to(f32)  # [SB, BV]
+            b0 = tl.load(beta + os_ * s_bt + h * s_bh, mask=m0, other=0.0).to(f32)
+        c0 = tl.sum(tl.where(oa == 0, g_all, 0.0), 0)
         e0 = tl.exp(c0)
-        k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)  # [BK]
-        q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)
-        v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
-        b0 = tl.load(beta + h * s_bh).to(f32)
-        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
-        o0 = e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0
-        tl.store(o + h * s_oh + ov, o0, mask=mv)
-        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
-        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
-        tl.store(cbuf + h * s_cbh, c0, mask=first)
-        S = e0 * S + k0[:, None] * u0[None, :]
+        U0 = b0[:, None] * (V0 - e0 * tl.dot(K0, S, input_precision=PREC))  # [SB, BV]
+        O0 = e0 * tl.dot(Q0, S, input_precision=PREC) + \
+            tl.dot(tl.dot(Q0, tl.trans(K0), input_precision=PREC), U0, input_precision=PREC)
+        tl.store(o + os_[:, None] * s_ot + h * s_oh + ov[None, :], O0, mask=m0v)
+        tl.store(ubuf + h * s_ubh + os_[:, None] * s_ubt + ov[None, :], U0, mask=m0v)
+        tl.store(kbuf + h * s_kbh + os_[:, None] * s_kbt + ok[None, :], K0, mask=m0k & first)
+        tl.store(cbuf + h * s_cbh + os_, tl.where(m0, c0, 0.0), mask=m0 & first)
+        S = e0 * S + tl.dot(tl.trans(K0), U0, input_precision=PREC)
     for b in range(NB):
         rb = ROOT + b * SB + os_
         mb = rb < T
+        mbk = mb[:, None] & mk[None, :]
+        mbv = mb[:, None] & mv[None, :]
         on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
         c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # [SB]: summed log-decay along each path
         tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb & first)
-        mbk = mb[:, None] & mk[None, :]
-        mbv = mb[:, None] & mv[None, :]
-        Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
-        tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk & first)
-        Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
-        Vb = tl.load(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], mask=mbv, other=0.0).to(f32)  # [SB, BV]
-        bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
+        if PROLOGUE:
+            Qb, Kb, Vb = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rb, mb, mk, mv, DK, W)
+            bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rb, mb)[1]
+            tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk)  # read back below
+        else:
+            Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
+            tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk & first)
+            Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
+            Vb = tl.load(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], mask=mbv, other=0.0).to(f32)  # [SB, BV]
+            bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
+        on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
+        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
+        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
+        Pm = dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC)
+        Ai = eye - A  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)..., as _gdn_tree_kernel applies it
+        for _ in tl.static_range(NSQ):
+            A = tl.dot(A, A, input_precision=PREC)
+            Ai += tl.dot(Ai, A, input_precision=PREC)
         ec = tl.exp(c_b - c0)  # (ROOT: against S', the root's decay taken out)
         R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
         O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
@@ -179,48 +234,71 @@ def _gdn_tree_blocked_kernel(
             c_c = tl.sum(tl.where(on_c, g_all[None, :], 0.0), 1)
             on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
             dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))
-            Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
+            if PROLOGUE:
+                Kc = tl.load(kbuf + h * s_kbh + rc[:, None] * s_kbt + ok[None, :], mask=mk[None, :], other=0.0)
+            else:
+                Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
             Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
             R -= tl.dot(bb[:, None] * dec * tl.dot(Kb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
             O += tl.dot(dec * tl.dot(Qb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
-        on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
-        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
-        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
-        U = R - tl.dot(A, R, input_precision=PREC)  # (I + A)^-1 R by squarings, as _gdn_tree_kernel
-        for _ in tl.static_range(NSQ):
-            A = tl.dot(A, A, input_precision=PREC)
-            U += tl.dot(A, U, input_precision=PREC)
-        O += tl.dot(dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC), U, input_precision=PREC)
+        U = tl.dot(Ai, R, input_precision=PREC)
+        O += tl.dot(Pm, U, input_precision=PREC)
         tl.store(o + rb[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mbv)
         tl.store(ubuf + h * s_ubh + rb[:, None] * s_ubt + ov[None, :], U, mask=mbv)
-        tl.debug_barrier()  # block b's U is read back by every later block
+        tl.debug_barrier()  # block b's U (and, PROLOGUE, k) is read back by every later block
 
 
 @torch.compiler.disable
 def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, block: int = 16,
-                     root: bool = False):
+                     root: bool | None = None):
     """gdn_tree by blocks of `block` nodes (_gdn_tree_blocked_kernel), for the trees the one-tile
     kernel does not take (ddtree.ops.dispatch). Shapes and `out` as gdn_tree; tiles (BV, warps)
     instead of blocked_tiles'. root: node 0 is an ancestor of every node (true of every verify
-    tree; not checked), folded into the state first so that 16m + 1 nodes are m blocks; not
-    dispatched until measured (scripts/bench_verify.py --parts core times it)."""
+    tree; not checked), folded into the state first; None: where that saves a block (fold_root)."""
     T, H, dk = q.shape
-    dv = v.shape[-1]
     for t in (q, k, v):
         assert t.stride(-1) == 1
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
+    return _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision,
+                           tiles, block, root)
+
+
+@torch.compiler.disable
+def gdn_tree_blocked_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask,
+                              out, precision: str = "ieee", tiles=None, block: int = 16, root: bool | None = None):
+    """gdn_tree_prologue's verify (the layer's prologue from its projection, then the recurrence)
+    by blocks of `block` nodes, as gdn_tree_blocked. Twin: qkvgb + gdn_tree_blocked, and tree_wy
+    (tests/ops/test_gdn_kernels.py)."""
+    return _launch_blocked(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, proj.shape[0], layer.hv,
+                           layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles, block, root)
+
+
+def fold_root(T: int, block: int = 16) -> bool:
+    """Fold a T-node tree's root into the state before the blocks? Where that saves a block (T =
+    16m + 1): the fold is one more step ahead of them (an H200 measured the blocked recurrence of
+    ...)."""
+    return T > 1 and (T - 1) % block == 0
+
+
+def _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles, block, root):
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
+    root = fold_root(T, block) if root is None else bool(root)
     BV, warps = tiles or blocked_tiles(T - root, dv)
+    prologue = pro is not None
+    pro = pro or _NO_PROLOGUE(S0)
     kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
             q, k, v, g, beta, S0, mask, o, kb, ub, cb,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
+            *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
+            *pro[:9],
             T=T, DK=dk, DV=dv, BT=_tile(T), SB=block, BK=_tile(dk), BV=BV,
             NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=warps,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)), ROOT=int(root),
+            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
         )
     return o
 
@@ -247,13 +325,22 @@ def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torc
     kernel. proj [T, N] the fused input projection (qkv | z | b | a); ext [hist + T, C] the conv
     inputs (state rows, then proj's qkv); window [T, width]. -> o [T, hv, dv] fp32, `out` written
     as gdn_tree writes it. Twin: qkvgb + gdn_tree (tests/ops/test_gdn_kernels.py)."""
-    T = proj.shape[0]
+    return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, proj.shape[0], layer.hv,
+                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles)
+
+
+def _prologue_args(layer, proj, ext, window) -> tuple:
+    """The prologue's kernel arguments for GDN layer `layer`: (ext, window, conv weight, proj,
+    -exp(A_log), dt_bias, proj's row stride, C, hv, value heads per key head, q's channels, width)."""
     assert proj.stride(-1) == 1 and ext.stride(-1) == 1 and ext.stride(0) == layer.conv_dim and window.is_contiguous()
     w, neg_a = layer._consts()
-    pro = (ext, window, w, proj, neg_a, layer.dt_bias, proj.stride(0), layer.conv_dim, layer.hv,
-           layer.hv // layer.hk, layer.hk * layer.dk, window.shape[1])
-    return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, T, layer.hv, layer.dk,
-                        layer.dv, pro, precision, tiles)
+    return (ext, window, w, proj, neg_a, layer.dt_bias, proj.stride(0), layer.conv_dim, layer.hv,
+            layer.hv // layer.hk, layer.hk * layer.dk, window.shape[1])
+
+
+def _NO_PROLOGUE(S0) -> tuple:
+    """The prologue's arguments where it is off: unused pointers and ints."""
+    return (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
 
 
 def blocked_tiles(T: int, dv: int) -> tuple[int, int]:
@@ -284,8 +371,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     BT = _tile(T)
     BV, warps = tiles or launch_tiles(T, dv)
     prologue = pro is not None
-    if not prologue:  # the prologue's pointer / int arguments go unused
-        pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
+    pro = pro or _NO_PROLOGUE(S0)
     kern = _kernel(_gdn_tree_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
@@ -301,8 +387,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     return o
 
 
-
-
 if triton is not None:
+    _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_blocked_kernel, interpret=False)

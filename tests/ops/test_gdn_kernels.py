@@ -143,7 +143,7 @@ def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, bud
 
 TREE_KERNELS = {
     "gdn_tree": lambda *a: gdn_tree.gdn_tree(*a),
-    "gdn_tree_blocked": lambda *a: gdn_tree.gdn_tree_blocked(*a),
+    "gdn_tree_blocked": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=False),
     "gdn_tree_blocked_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=True),
 }
 
@@ -179,17 +179,34 @@ def test_tree_kernel_matches_tree_wy(cfg, kernel):
             ERR.note(f"{kernel} verify scratch", assert_rel(a_, b_, 1e-5, f"T={T}"))
 
 
+PROLOGUE_KERNELS = {  # -> (the kernel, tree sizes: one block, a full one, several, the last partial)
+    "gdn_tree_prologue": (lambda *a: gdn_tree.gdn_tree_prologue(*a), (2, 3, 9, 16, 17, 33)),
+    "gdn_tree_blocked_prologue": (lambda *a: gdn_tree.gdn_tree_blocked_prologue(*a, root=False),
+                                  (2, 9, 16, 17, 32, 33, 50)),
+    "gdn_tree_blocked_prologue_root": (lambda *a: gdn_tree.gdn_tree_blocked_prologue(*a, root=True),
+                                       (2, 17, 32, 33, 65)),
+}
+
+
+@pytest.mark.parametrize("kernel", list(PROLOGUE_KERNELS))
 @pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_tree_prologue_kernel_matches_torch_prologue(cfg):
-    """The tree kernel with the layer's prologue inside (tree convolution + SiLU from the conv
-    inputs, q/k l2 norms, head repeat, gates from the projection) against qkvgb + tree_wy on random
-    trees and random conv states: outputs, commit scratch, and the whole mixer's output."""
+def test_tree_prologue_kernel_matches_torch_prologue(cfg, kernel):
+    """The tree kernels with the layer's prologue inside (tree convolution + SiLU from the conv
+    inputs, q/k l2 norms, head repeat, gates from the projection; whole tiles, or by 16-node
+    blocks with or without the root folded into the state first) against qkvgb + tree_wy on
+    random trees and random conv states: outputs, commit scratch, and the whole mixer's output
+    through the prologue path the dispatch picks."""
+    import dataclasses
+
+    from ddtree.ops.dispatch import resolve
     from ddtree.ops.tree import ancestor_mask_from_parents
 
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(6)
-    for T in (2, 3, 9, 16, 17, 33):
+    run, sizes = PROLOGUE_KERNELS[kernel]
+    fast = resolve(FAST.replace(tree_prologue=128), DEV)
+    for T in sizes:
         parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
         if T == 16:  # a chain (the DFlash block)
             parents = torch.arange(T) - 1
@@ -203,13 +220,14 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
         ref = [t.clone() for t in scratch]
         proj = layer.in_proj(x)
-        got = [torch.zeros_like(t) for t in scratch]
-        o = gdn_tree.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
-        ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"T={T}"))
+        got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
+        o = run(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
+        ERR.note(f"{kernel}", assert_rel(o, o_ref, 1e-5, f"T={T}"))
         for a, b in zip(got, ref):
-            ERR.note("tree prologue scratch", assert_rel(a, b, 1e-5, f"T={T}"))
+            ERR.note(f"{kernel} scratch", assert_rel(a, b, 1e-5, f"T={T}"))
         want = layer.forward(x, s)  # the torch prologue (the model's default Kernels on CPU: no kernels) ...
-        ERR.note("tree prologue mixer", assert_rel(layer._tree_fused(x, s), want, 1e-5, f"T={T}"))
+        got_mixer = layer._tree_fused(x, dataclasses.replace(s, kernels=fast))  # ... and the dispatched kernel
+        ERR.note("tree prologue mixer", assert_rel(got_mixer, want, 1e-5, f"T={T}"))
 
 
 @pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
