@@ -11,7 +11,7 @@ package reads the environment for these.
     triton_walk      DDTREE_TORCH_WALK=1      on        the walk in one Triton kernel (off: its torch twin)
     tree_kernel      DDTREE_TRITON_TREE       auto      tree verify's GDN recurrence in one kernel: auto (small tiles in one, larger trees by 16-node blocks), on (one up to 128 nodes; 64 on sm_86), off
     tree_precision   DDTREE_TREE_PRECISION    tf32x3    that kernel's tile products: tf32x3 (fp32-grade on tensor cores) or ieee
-    tree_prologue    DDTREE_TREE_PROLOGUE     65        the GDN prologue inside the tree kernel (one tile or blocks) for trees of up to N nodes (0: off)
+    tree_prologue    DDTREE_TREE_PROLOGUE     65        the GDN prologue in Triton for trees of up to N nodes: inside the one-tile tree kernel, or one kernel ahead of the blocked one (0: off)
     attention        DDTREE_ATTENTION         auto      tree / decode attention: auto (the split-KV kernel where it runs), kernel, sdpa (dense-mask twin)
     prefill_attention DDTREE_PREFILL_ATTENTION auto     prefill attention: auto (cuDNN, else FlashAttention-2, else the split-KV kernel), cudnn, flash, triton, efficient
     fla              DDTREE_NO_FLA=1          on        flash-linear-attention's chunk kernel for prefill (when installed)
@@ -75,7 +75,7 @@ class Options:
                                _choice("auto", "on", "off", alias={"1": "on", "0": "off"}), default="auto")
     tree_precision: str = _switch("DDTREE_TREE_PRECISION", "the tree kernel's tile products: tf32x3 or ieee",
                                   _choice("tf32x3", "ieee"), default="tf32x3")
-    tree_prologue: int = _switch("DDTREE_TREE_PROLOGUE", "the GDN prologue inside the tree kernel up to this many nodes (0: off)",
+    tree_prologue: int = _switch("DDTREE_TREE_PROLOGUE", "the GDN prologue in Triton (inside the one-tile tree kernel, or ahead of the blocked one) up to this many nodes (0: off)",
                                  _count, default=65)
     attention: str = _switch("DDTREE_ATTENTION", "tree/decode attention: auto, kernel (split-KV), sdpa (dense-mask twin)",
                              _choice("auto", "kernel", "sdpa"), default="auto")

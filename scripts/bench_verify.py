@@ -10,8 +10,9 @@
    against tree_wy's output;
 3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree and
    gdn_tree_blocked (16-node blocks; `root`: with the root folded into the state first) at their
-   default tiles, the latter also at each of --tiles; and `blocked prologue`
-   (gdn_tree_blocked_prologue: the prologue too, from the projection, less the projection's time).
+   default tiles, the latter also at each of --tiles; and `blocked prologue` (the engine's path
+   past one tile: gdn_tree.gdn_prologue from the projection, then gdn_tree_blocked; less the
+   projection's time).
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -148,9 +149,9 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
             pj, ex = layer.project(x)
             return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
-        def blocked_prologue():  # the dispatch's root rule (gdn_tree.fold_root); timed less the projection
+        def blocked_prologue():  # the engine's blocked path: the prologue kernel, then the blocks (fold_root's rule)
             pj, ex = layer.project(x)
-            return gdn_tree.gdn_tree_blocked_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec)
+            return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, pj, ex, step.window), S0, mask, scratch, prec)
 
         proj_ms = graph_ms(lambda: layer.project(x))
         row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})

@@ -45,7 +45,7 @@ class Kernels:
     tree_max_nodes: int = 0  # tree-verify GDN kernel for 1 < T <= this
     tree_tile: int = TREE_TILE  # ... and padded nodes x key width at most this
     tree_precision: str = "ieee"
-    tree_prologue: int = 0  # the prologue inside the tree kernel (one tile or blocks) for T <= this
+    tree_prologue: int = 0  # the GDN prologue in Triton for T <= this: inside the one-tile kernel, or one kernel ahead of the blocks
     tree_blocked: int = 0  # trees past that kernel's sizes, up to this many nodes: gdn_tree_blocked
     attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
@@ -56,7 +56,7 @@ class Kernels:
         return 1 < T <= self.tree_max_nodes and tile(T) * tile(dk) <= self.tree_tile
 
     def prologue(self, T: int, dk: int) -> bool:
-        """The GDN prologue inside the tree kernel (either one) for this tree?"""
+        """The GDN prologue in Triton for this tree (inside the one-tile kernel, or gdn_tree.gdn_prologue ahead of the blocked one)?"""
         return T <= self.tree_prologue and (self.tree(T, dk) or self.blocked(T, dk))
 
     def blocked(self, T: int, dk: int) -> bool:

@@ -135,26 +135,45 @@ def _gdn_tree_kernel(
     tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
 
 
+def _gdn_prologue_kernel(
+    ext, window, conv_w, proj, neg_a, dt_bias, q, k, v, g, beta,
+    s_pt, C, HV, s_qt, s_qh, s_vt, s_vh, s_gt,
+    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
+):
+    # GatedDeltaNet.qkvgb's tree convolution + SiLU, norms, head repeat and gates in one launch:
+    # one program per (block of BR nodes, value head), its q / k recomputed per value head (REP
+    # times, cheaper than a second launch). q, k [T, HV, DK], v [T, HV, DV], g, beta [T, HV] fp32.
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    h = tl.program_id(1)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    mr, mk, mv = r < T, ok < DK, ov < DV
+    cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
+    Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, r, mr, mk, mv, DK, W)
+    gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, r, mr)  # b, a after qkv and z
+    mrk = mr[:, None] & mk[None, :]
+    tl.store(q + r[:, None] * s_qt + h * s_qh + ok[None, :], Q, mask=mrk)
+    tl.store(k + r[:, None] * s_qt + h * s_qh + ok[None, :], K, mask=mrk)
+    tl.store(v + r[:, None] * s_vt + h * s_vh + ov[None, :], V, mask=mr[:, None] & mv[None, :])
+    tl.store(g + r * s_gt + h, gg, mask=mr)
+    tl.store(beta + r * s_gt + h, bb, mask=mr)
+
+
 def _gdn_tree_blocked_kernel(
     q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
-    ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
-    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
 ):
     # _gdn_tree_kernel's math by blocks of SB nodes, in order (ancestors come first): block b's
     # right-hand side loses A[b, c] @ U[c] for every earlier block c (U[c] read back from the
-    # scratch this program wrote), then its own unit-lower-triangular block is solved by the
-    # inverse of an [SB, SB] tile, made by squarings before the earlier blocks are read (so one
-    # product waits for them). Only [SB, *] tiles live at once, whatever T is.
+    # scratch this program wrote), then its own unit-lower-triangular block is solved by squarings
+    # of an [SB, SB] tile. Only [SB, *] tiles live at once, whatever T is.
     # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
     # first, S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative
-    # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks. The step runs as [SB, *] tile
-    # products with node 0 in row 0, as a block's.
-    # PROLOGUE: q, k, v, g, beta from the projection (_qkv_rows, _gate_rows) block by block; every
-    # program of a head writes the same k scratch and reads earlier blocks' k back from it.
+    # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks.
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0
@@ -162,69 +181,40 @@ def _gdn_tree_blocked_kernel(
     NB: tl.constexpr = (T - ROOT + SB - 1) // SB
     oa = tl.arange(0, BT)  # every node: the path mask's columns
     ma = oa < T
+    g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
     os_ = tl.arange(0, SB)
     ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)
     mk, mv = ok < DK, ov < DV
-    cq = h // REP * DK + ok  # PROLOGUE: conv channels of q, k (of this value head's key head) and v
-    ck = KD + cq
-    cv = 2 * KD + h * DV + ov
-    zb = C + HV * DV  # PROLOGUE: the b and a columns after qkv and z in the projection row
-    if PROLOGUE:
-        g_all = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, oa, ma)[0]  # [BT]
-    else:
-        g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)
-    eye = tl.where(os_[:, None] == os_[None, :], 1.0, 0.0)  # [SB, SB]
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
     c0 = 0.0
     if ROOT:
-        m0 = os_ == 0  # node 0 in row 0 of [SB, *] tiles, the other rows 0
-        m0k = m0[:, None] & mk[None, :]
-        m0v = m0[:, None] & mv[None, :]
-        if PROLOGUE:
-            Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, os_, m0, mk, mv, DK, W)
-            b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, os_, m0)[1]
-        else:
-            K0 = tl.load(k + os_[:, None] * s_kt + h * s_kh + ok[None, :], mask=m0k, other=0.0).to(f32)  # [SB, BK]
-            Q0 = tl.load(q + os_[:, None] * s_qt + h * s_qh + ok[None, :], mask=m0k, other=0.0).to(f32)
-            V0 = tl.load(v + os_[:, None] * s_vt + h * s_vh + ov[None, :], mask=m0v, other=0.0).to(f32)  # [SB, BV]
-            b0 = tl.load(beta + os_ * s_bt + h * s_bh, mask=m0, other=0.0).to(f32)
-        c0 = tl.sum(tl.where(oa == 0, g_all, 0.0), 0)
+        c0 = tl.load(g + h * s_gh).to(f32)
         e0 = tl.exp(c0)
-        U0 = b0[:, None] * (V0 - e0 * tl.dot(K0, S, input_precision=PREC))  # [SB, BV]
-        O0 = e0 * tl.dot(Q0, S, input_precision=PREC) + \
-            tl.dot(tl.dot(Q0, tl.trans(K0), input_precision=PREC), U0, input_precision=PREC)
-        tl.store(o + os_[:, None] * s_ot + h * s_oh + ov[None, :], O0, mask=m0v)
-        tl.store(ubuf + h * s_ubh + os_[:, None] * s_ubt + ov[None, :], U0, mask=m0v)
-        tl.store(kbuf + h * s_kbh + os_[:, None] * s_kbt + ok[None, :], K0, mask=m0k & first)
-        tl.store(cbuf + h * s_cbh + os_, tl.where(m0, c0, 0.0), mask=m0 & first)
-        S = e0 * S + tl.dot(tl.trans(K0), U0, input_precision=PREC)
+        k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)  # [BK]
+        q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)
+        v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
+        b0 = tl.load(beta + h * s_bh).to(f32)
+        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
+        o0 = e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0
+        tl.store(o + h * s_oh + ov, o0, mask=mv)
+        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
+        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
+        tl.store(cbuf + h * s_cbh, c0, mask=first)
+        S = e0 * S + k0[:, None] * u0[None, :]
     for b in range(NB):
         rb = ROOT + b * SB + os_
         mb = rb < T
-        mbk = mb[:, None] & mk[None, :]
-        mbv = mb[:, None] & mv[None, :]
         on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
         c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # [SB]: summed log-decay along each path
         tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb & first)
-        if PROLOGUE:
-            Qb, Kb, Vb = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rb, mb, mk, mv, DK, W)
-            bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rb, mb)[1]
-            tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk)  # read back below
-        else:
-            Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
-            tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk & first)
-            Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
-            Vb = tl.load(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], mask=mbv, other=0.0).to(f32)  # [SB, BV]
-            bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
-        on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
-        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
-        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
-        Pm = dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC)
-        Ai = eye - A  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)..., as _gdn_tree_kernel applies it
-        for _ in tl.static_range(NSQ):
-            A = tl.dot(A, A, input_precision=PREC)
-            Ai += tl.dot(Ai, A, input_precision=PREC)
+        mbk = mb[:, None] & mk[None, :]
+        mbv = mb[:, None] & mv[None, :]
+        Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
+        tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk & first)
+        Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
+        Vb = tl.load(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], mask=mbv, other=0.0).to(f32)  # [SB, BV]
+        bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
         ec = tl.exp(c_b - c0)  # (ROOT: against S', the root's decay taken out)
         R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
         O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
@@ -234,18 +224,22 @@ def _gdn_tree_blocked_kernel(
             c_c = tl.sum(tl.where(on_c, g_all[None, :], 0.0), 1)
             on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
             dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))
-            if PROLOGUE:
-                Kc = tl.load(kbuf + h * s_kbh + rc[:, None] * s_kbt + ok[None, :], mask=mk[None, :], other=0.0)
-            else:
-                Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
+            Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
             Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
             R -= tl.dot(bb[:, None] * dec * tl.dot(Kb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
             O += tl.dot(dec * tl.dot(Qb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
-        U = tl.dot(Ai, R, input_precision=PREC)
-        O += tl.dot(Pm, U, input_precision=PREC)
+        on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
+        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
+        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
+        U = R - tl.dot(A, R, input_precision=PREC)  # (I + A)^-1 R by squarings, as _gdn_tree_kernel
+        for _ in tl.static_range(NSQ):
+            A = tl.dot(A, A, input_precision=PREC)
+            U += tl.dot(A, U, input_precision=PREC)
+        O += tl.dot(dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC), U, input_precision=PREC)
         tl.store(o + rb[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mbv)
         tl.store(ubuf + h * s_ubh + rb[:, None] * s_ubt + ov[None, :], U, mask=mbv)
-        tl.debug_barrier()  # block b's U (and, PROLOGUE, k) is read back by every later block
+        tl.debug_barrier()  # block b's U is read back by every later block
+
 
 
 @torch.compiler.disable
@@ -260,18 +254,29 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
         assert t.stride(-1) == 1
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
-    return _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision,
+    return _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], precision,
                            tiles, block, root)
 
 
 @torch.compiler.disable
-def gdn_tree_blocked_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask,
-                              out, precision: str = "ieee", tiles=None, block: int = 16, root: bool | None = None):
-    """gdn_tree_prologue's verify (the layer's prologue from its projection, then the recurrence)
-    by blocks of `block` nodes, as gdn_tree_blocked. Twin: qkvgb + gdn_tree_blocked, and tree_wy
-    (tests/ops/test_gdn_kernels.py)."""
-    return _launch_blocked(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, proj.shape[0], layer.hv,
-                           layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles, block, root)
+def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor):
+    """GatedDeltaNet.qkvgb's q, k, v, g, beta for a tree from its projection in one kernel
+    (_gdn_prologue_kernel), for the blocked recurrence (the one-tile kernel has it inside:
+    gdn_tree_prologue). proj [T, N]; ext [hist + T, C]; window [T, width]. -> q, k [T, hv, dk],
+    v [T, hv, dv], g, beta [T, hv], all fp32. Twin: qkvgb (tests/ops/test_gdn_kernels.py)."""
+    T, dev = proj.shape[0], proj.device
+    ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
+    q, k = (torch.empty(T, hv, layer.dk, dtype=torch.float32, device=dev) for _ in range(2))
+    v = torch.empty(T, hv, layer.dv, dtype=torch.float32, device=dev)
+    g, beta = (torch.empty(T, hv, dtype=torch.float32, device=dev) for _ in range(2))
+    kern = _kernel(_gdn_prologue_kernel, interpret=not proj.is_cuda)
+    with _on_device_of(proj):
+        kern[(triton.cdiv(T, 16), hv)](
+            ext_, window_, w, proj_, neg_a, dt_bias, q, k, v, g, beta,
+            s_pt, C, hv, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
+            T=T, DK=layer.dk, DV=layer.dv, BR=16, BK=_tile(layer.dk), BV=_tile(layer.dv), REP=rep, KD=kd, W=width,
+        )
+    return q, k, v, g, beta
 
 
 def fold_root(T: int, block: int = 16) -> bool:
@@ -281,24 +286,20 @@ def fold_root(T: int, block: int = 16) -> bool:
     return T > 1 and (T - 1) % block == 0
 
 
-def _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles, block, root):
+def _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, precision, tiles, block, root):
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
     root = fold_root(T, block) if root is None else bool(root)
     BV, warps = tiles or blocked_tiles(T - root, dv)
-    prologue = pro is not None
-    pro = pro or _NO_PROLOGUE(S0)
     kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
             q, k, v, g, beta, S0, mask, o, kb, ub, cb,
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            *pro[:9],
             T=T, DK=dk, DV=dv, BT=_tile(T), SB=block, BK=_tile(dk), BV=BV,
             NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=warps,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)), ROOT=int(root),
-            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
         )
     return o
 
@@ -338,11 +339,6 @@ def _prologue_args(layer, proj, ext, window) -> tuple:
             layer.hv // layer.hk, layer.hk * layer.dk, window.shape[1])
 
 
-def _NO_PROLOGUE(S0) -> tuple:
-    """The prologue's arguments where it is off: unused pointers and ints."""
-    return (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
-
-
 def blocked_tiles(T: int, dv: int) -> tuple[int, int]:
     """(BV, warps) of the blocked kernel for T nodes in blocks: 64 channels; 4 warps, but 8 for
     three blocks. An H200 measured, dv 128, BV 64 with 4 / 8 warps: 26.8 / 29.9 us at 17 nodes, 24.8 /
@@ -371,7 +367,8 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     BT = _tile(T)
     BV, warps = tiles or launch_tiles(T, dv)
     prologue = pro is not None
-    pro = pro or _NO_PROLOGUE(S0)
+    if not prologue:  # the prologue's pointer / int arguments go unused
+        pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
     kern = _kernel(_gdn_tree_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
@@ -391,3 +388,4 @@ if triton is not None:
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_blocked_kernel, interpret=False)
+    _kernel(_gdn_prologue_kernel, interpret=False)

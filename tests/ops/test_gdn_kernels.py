@@ -179,34 +179,17 @@ def test_tree_kernel_matches_tree_wy(cfg, kernel):
             ERR.note(f"{kernel} verify scratch", assert_rel(a_, b_, 1e-5, f"T={T}"))
 
 
-PROLOGUE_KERNELS = {  # -> (the kernel, tree sizes: one block, a full one, several, the last partial)
-    "gdn_tree_prologue": (lambda *a: gdn_tree.gdn_tree_prologue(*a), (2, 3, 9, 16, 17, 33)),
-    "gdn_tree_blocked_prologue": (lambda *a: gdn_tree.gdn_tree_blocked_prologue(*a, root=False),
-                                  (2, 9, 16, 17, 32, 33, 50)),
-    "gdn_tree_blocked_prologue_root": (lambda *a: gdn_tree.gdn_tree_blocked_prologue(*a, root=True),
-                                       (2, 17, 32, 33, 65)),
-}
-
-
-@pytest.mark.parametrize("kernel", list(PROLOGUE_KERNELS))
 @pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_tree_prologue_kernel_matches_torch_prologue(cfg, kernel):
-    """The tree kernels with the layer's prologue inside (tree convolution + SiLU from the conv
-    inputs, q/k l2 norms, head repeat, gates from the projection; whole tiles, or by 16-node
-    blocks with or without the root folded into the state first) against qkvgb + tree_wy on
-    random trees and random conv states: outputs, commit scratch, and the whole mixer's output
-    through the prologue path the dispatch picks."""
-    import dataclasses
-
-    from ddtree.ops.dispatch import resolve
+def test_tree_prologue_kernel_matches_torch_prologue(cfg):
+    """The tree kernel with the layer's prologue inside (tree convolution + SiLU from the conv
+    inputs, q/k l2 norms, head repeat, gates from the projection) against qkvgb + tree_wy on random
+    trees and random conv states: outputs, commit scratch, and the whole mixer's output."""
     from ddtree.ops.tree import ancestor_mask_from_parents
 
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(6)
-    run, sizes = PROLOGUE_KERNELS[kernel]
-    fast = resolve(FAST.replace(tree_prologue=128), DEV)
-    for T in sizes:
+    for T in (2, 3, 9, 16, 17, 33):
         parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
         if T == 16:  # a chain (the DFlash block)
             parents = torch.arange(T) - 1
@@ -220,14 +203,44 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg, kernel):
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
         ref = [t.clone() for t in scratch]
         proj = layer.in_proj(x)
-        got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
-        o = run(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
-        ERR.note(f"{kernel}", assert_rel(o, o_ref, 1e-5, f"T={T}"))
+        got = [torch.zeros_like(t) for t in scratch]
+        o = gdn_tree.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
+        ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"T={T}"))
         for a, b in zip(got, ref):
-            ERR.note(f"{kernel} scratch", assert_rel(a, b, 1e-5, f"T={T}"))
+            ERR.note("tree prologue scratch", assert_rel(a, b, 1e-5, f"T={T}"))
         want = layer.forward(x, s)  # the torch prologue (the model's default Kernels on CPU: no kernels) ...
-        got_mixer = layer._tree_fused(x, dataclasses.replace(s, kernels=fast))  # ... and the dispatched kernel
-        ERR.note("tree prologue mixer", assert_rel(got_mixer, want, 1e-5, f"T={T}"))
+        ERR.note("tree prologue mixer", assert_rel(layer._tree_fused(x, s), want, 1e-5, f"T={T}"))
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_prologue_kernel_matches_qkvgb(cfg):
+    """The blocked verify's prologue kernel (gdn_tree.gdn_prologue: tree convolution + SiLU, q/k
+    l2 norms, head repeat, gates from the projection) against qkvgb on random trees of one to five
+    16-node blocks and random conv states; and the whole mixer through it and the blocked
+    recurrence (_tree_blocked) against the torch path."""
+    import dataclasses
+
+    from ddtree.ops.dispatch import resolve
+    from ddtree.ops.tree import ancestor_mask_from_parents
+
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
+    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
+    g_ = torch.Generator().manual_seed(7)
+    fast = resolve(FAST, DEV)
+    for T in (2, 16, 17, 33, 50, 65):
+        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
+        mask = ancestor_mask_from_parents(parents).to(DEV)
+        x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
+        layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_))
+        layer.rec_state.copy_(torch.randn(layer.rec_state.shape, generator=g_) * 0.5)
+        s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
+        want = layer.qkvgb(x, s)[:5]
+        proj, ext = layer.project(x)
+        for name, a, b in zip("q k v g beta".split(), gdn_tree.gdn_prologue(layer, proj, ext, s.window), want):
+            assert a.shape == b.shape, name
+            ERR.note("prologue kernel", assert_rel(a, b.float(), 1e-5, f"{name} T={T}"))
+        ERR.note("prologue kernel mixer", assert_rel(layer._tree_blocked(x, dataclasses.replace(s, kernels=fast)),
+                                                     layer.forward(x, s), 1e-5, f"T={T}"))
 
 
 @pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
@@ -261,18 +274,22 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method,
     assert toks[True] == toks[False] and calls
 
 
-def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch):
+@pytest.mark.parametrize("prologue", [65, 0], ids=["prologue-kernel", "torch-prologue"])
+def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prologue):
     """A 41-node tree (budget 40: past auto's one-tile sizes at this model's dk 8) verified by
-    16-node blocks in every GDN layer: greedy tokens equal the torch path's, and the blocked
-    kernel was used."""
+    16-node blocks in every GDN layer, after the prologue kernel or the torch prologue: greedy
+    tokens equal the torch path's, and the kernels were used."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4)).tolist()
-    calls, real = [], gdn_tree.gdn_tree_blocked
-    monkeypatch.setattr(gdn_tree, "gdn_tree_blocked", lambda *a: calls.append(a[0].shape[0]) or real(*a))  # a spy
+    calls, pro, real, real_pro = [], [], gdn_tree.gdn_tree_blocked, gdn_tree.gdn_prologue
+    monkeypatch.setattr(gdn_tree, "gdn_tree_blocked", lambda *a: calls.append(a[0].shape[0]) or real(*a))  # spies
+    monkeypatch.setattr(gdn_tree, "gdn_prologue", lambda *a: pro.append(a[1].shape[0]) or real_pro(*a))
     toks = {}
     for on in (True, False):
-        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST if on else FAST.replace(tree_kernel="off"))
+        opts = FAST.replace(tree_prologue=prologue) if on else FAST.replace(tree_kernel="off")
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
         toks[on] = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
     assert toks[True] == toks[False] and calls and set(calls) == {41}
+    assert set(pro) == ({41} if prologue else set())
 
 
 @pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40), (7, 128)])
