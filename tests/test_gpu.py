@@ -173,14 +173,15 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
 def test_tree_kernel_up_to_128_nodes_under_graphs_equals_torch_path():
     """The tree-verify kernels (tree_kernel=on: the one-tile kernel up to 128 nodes, or as many as
     fit the GPU's shared memory, 64 on sm_86, with and without the prologue; auto: one tile up to
-    32 nodes here, 16-node blocks past it: budget 40) on the GPU: compiled layers (the kernels run between
+    32 nodes here, 16-node blocks past it: budgets 40 and 64, after the prologue kernel or the
+    torch prologue) on the GPU: compiled layers (the kernels run between
     compiled pieces) inside CUDA graphs give the torch path's greedy tokens for dflash and ddtree."""
     from ddtree.options import Options
 
     prompt = torch.randint(2, 97, (60,), generator=torch.Generator().manual_seed(0)).tolist()
     toks = {}
     for opts in (Options(tree_kernel="on", tree_prologue=0), Options(tree_kernel="on", tree_prologue=128),
-                 Options(), Options(tree_kernel="off")):
+                 Options(), Options(tree_prologue=0), Options(tree_kernel="off")):
         dec, _ = build_random_pair("hybrid", seed=5, device="cuda", options=opts)
         toks[opts] = [dec.generate(prompt, m, budget=b, max_new_tokens=32).token_ids
                       for m, b in (("dflash", 1), ("ddtree", 8), ("ddtree", 40), ("ddtree", 64))]
