@@ -28,12 +28,18 @@ from ddtree.options import Options
 TREE_MAX_NODES = {"auto": 32, "on": 128, "off": 0}
 TREE_TILE = 2048
 # Past those sizes (and up to this many nodes) the recurrence runs by 16-node blocks
-# (gdn_tree.gdn_tree_blocked; tree_kernel auto or on) instead of tree_wy: the H200 measured the
-# recurrence alone at dk 128 in 27 / 25 / 46 / 62 us at 17 / 32 / 33 / 64 nodes against tree_wy's
-# 73 / 81 / 92 / 112 (scripts/bench_verify.py --parts core, results/verify-core-tiles-h200.json). Past
-# 64 nodes it loses to the engine's compiled tree_wy: a 65-node verify took 2.4 ms more through
-# it (results/engine-blocked65-h200.log).
+# (gdn_tree.gdn_tree_blocked; tree_kernel auto or on) instead of tree_wy, the root folded into the
+# state first where that saves a block (gdn_tree.fold_root): the H200 measured the recurrence
+# alone at dk 128 in 16.5 / 43.7 / 61.5 / 74.3 us at 17 / 33 / 64 / 65 nodes against tree_wy's
+# 75 / 91 / 112 / 133 (scripts/bench_verify.py --parts core, results/verify-prologue-h200.json),
+# and the ddtree-64 round (65 nodes) at 23.07 ms against 24.26 on the compiled tree_wy
+# (results/engine-long-h200.json). Without the fold, 65 nodes (5 blocks) had lost 2.4 ms a round
+# (results/engine-blocked65-h200.log); past 65 nodes the blocks are unmeasured in the engine.
 TREE_BLOCKED_MAX_NODES = 65
+# The one-tile kernel takes the prologue inside up to this many nodes: with tree_kernel=on, 65 to
+# 128 nodes at the 27B's dk 128 would need 288 KB of shared memory on sm_90 with tf32x3, past any
+# GPU's block (docs/AMPERE.md), so those trees keep the torch prologue ahead of the kernel.
+TREE_PROLOGUE_ONE_TILE_MAX_NODES = 64
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,9 @@ class Kernels:
 
     def prologue(self, T: int, dk: int) -> bool:
         """The GDN prologue in Triton for this tree (inside the one-tile kernel, or gdn_tree.gdn_prologue ahead of the blocked one)?"""
-        return T <= self.tree_prologue and (self.tree(T, dk) or self.blocked(T, dk))
+        if T > self.tree_prologue:
+            return False
+        return self.blocked(T, dk) or (self.tree(T, dk) and T <= TREE_PROLOGUE_ONE_TILE_MAX_NODES)
 
     def blocked(self, T: int, dk: int) -> bool:
         """The 16-node-block tree kernel (for trees the one-tile kernel does not take)?"""

@@ -6,7 +6,9 @@ GEMMs, a triangular solve, pointwise): on a small model every launch counts. One
 (value head, block of value channels): the solve is column-wise, so the blocks are independent.
 `gdn_tree_prologue` also computes the layer's prologue (tree convolution + SiLU, q/k norms, head
 repeat, gates) from the projection. `gdn_tree_blocked` takes larger trees by 16-node blocks, so
-that only [16, *] tiles live at once.
+that only [16, *] tiles live at once, with the root folded into the state first where that saves
+a block; its prologue is one kernel ahead of it, `gdn_prologue` (inside, it spilled: the blocked
+kernel already uses every register).
 """
 
 from __future__ import annotations
@@ -280,9 +282,10 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
 
 
 def fold_root(T: int, block: int = 16) -> bool:
-    """Fold a T-node tree's root into the state before the blocks? Where that saves a block (T =
-    16m + 1): the fold is one more step ahead of them (an H200 measured the blocked recurrence of
-    ...)."""
+    """Fold a T-node tree's root into the state before the blocks? Only where that saves a block
+    (T = 16m + 1): the fold is one more step ahead of them. An H200 measured, dk = dv = 128, with /
+    without the fold: 16.5 / 27.1 us at 17 nodes, 43.7 / 45.2 at 33, 74.3 / 91.2 at 65, but 77.6 /
+    61.5 at 64 (no block saved; results/verify-prologue-h200.json)."""
     return T > 1 and (T - 1) % block == 0
 
 
@@ -343,7 +346,9 @@ def blocked_tiles(T: int, dv: int) -> tuple[int, int]:
     """(BV, warps) of the blocked kernel for T nodes in blocks: 64 channels; 4 warps, but 8 for
     three blocks. An H200 measured, dv 128, BV 64 with 4 / 8 warps: 26.8 / 29.9 us at 17 nodes, 24.8 /
     31.1 at 32, 51.7 / 45.9 at 33, 61.6 / 68.8 at 64; BV 32 / 128 and 16 were slower
-    (results/verify-core-tiles-h200.json, verify-core-h200.json)."""
+    (results/verify-core-tiles-h200.json, verify-core-h200.json). With the root folded first (T
+    is then the nodes after it): 16.4 / 17.9 us at 17 nodes, 43.7 / 241 at 33, 74.4 / 91.2 at 65
+    (results/verify-root-h200.json)."""
     return min(64, _tile(dv)), 8 if 32 < T <= 48 else 4
 
 

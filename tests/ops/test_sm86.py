@@ -499,6 +499,26 @@ def test_each_tree_size_takes_one_tree_kernel(props):
                 assert not (k.tree(T, 128) and k.blocked(T, 128))
 
 
+@pytest.mark.parametrize("props", [H200, A6000], ids=["h200", "a6000"])
+def test_prologue_sizes(props):
+    """Where the GDN prologue runs in Triton at the 27B's dk 128 under the default prologue limit
+    (65): inside the one-tile kernel up to 64 nodes (never the 65..128-node tiles tree_kernel=on
+    makes: 288 KB of shared memory on sm_90), ahead of the blocks for 17..65 nodes, nowhere past
+    the limit; and under a limit of 0 nowhere."""
+    for mode in ("auto", "on"):
+        k = dispatch.resolve(Options(tree_kernel=mode), "cuda", props)
+        assert k.tree_prologue == 65
+        for T in range(2, 130):
+            want = T <= 65 and (k.blocked(T, 128) or (k.tree(T, 128) and T <= 64))
+            assert k.prologue(T, 128) == want, (mode, T)
+        if mode == "on" and props is H200:  # 65 nodes in one tile there, with the torch prologue
+            assert k.tree(65, 128) and not k.prologue(65, 128) and k.prologue(64, 128)
+        else:  # every tree of up to 65 nodes
+            assert all(k.prologue(T, 128) for T in range(2, 66))
+        off = dispatch.resolve(Options(tree_kernel=mode, tree_prologue=0), "cuda", props)
+        assert not any(off.prologue(T, 128) for T in range(2, 130))
+
+
 def test_blocked_kernel_tiles(monkeypatch):
     """gdn_tree_blocked's launch: 16-node blocks, the root folded into the state first where that
     saves a block (16m + 1 nodes), 64 value channels (or the whole dv below that), 4 warps but 8
