@@ -190,8 +190,8 @@ class GatedDeltaNet(nn.Module):
         T, kn = x.shape[0], s.kernels
         if T == 1 and kn.triton:  # decode step: one fused kernel
             return self.out_proj(gdn_step.gdn_step(self, self.in_proj(x).view(-1)).view(1, -1))
-        if kn.prologue(T, self.dk):  # the prologue in a Triton kernel: inside the one-tile tree kernel, or ahead of the blocks
-            return self._tree_fused(x, s) if kn.tree(T, self.dk) else self._tree_blocked(x, s)
+        if kn.prologue(T, self.dk):
+            return self._tree_fused(x, s)  # the mixer between the projections in Triton kernels + the norm
         q, k, v, g, beta, z, ext = self.qkvgb(x, s)
         kb, ub, cb = self.wy_bufs
         scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
@@ -205,28 +205,20 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, -1))
 
     def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
-        """A small tree's verify with the prologue inside the tree kernel (gdn_tree.gdn_tree_prologue;
-        twin: the qkvgb + gdn_tree path of forward)."""
-        T = x.shape[0]
+        """A tree's verify with the prologue in Triton (twin: the qkvgb path of forward): inside
+        the one-tile tree kernel (gdn_tree.gdn_tree_prologue), or for larger trees one kernel
+        (gdn_tree.gdn_prologue) ahead of the 16-node blocks (gdn_tree_blocked)."""
+        T, kn = x.shape[0], s.kernels
         proj, ext = self.project(x)
         z = proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
         kb, ub, cb = self.wy_bufs
-        o = gdn_tree.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask,
-                                       (kb[:, :T], ub[:, :T], cb[:, :T]), s.kernels.tree_precision)
-        o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
-        return self.out_proj(o.reshape(T, -1))
-
-    def _tree_blocked(self, x: torch.Tensor, s: Step) -> torch.Tensor:
-        """A larger tree's verify: the prologue in one kernel (gdn_tree.gdn_prologue), then the
-        recurrence by 16-node blocks (gdn_tree_blocked); twin: the qkvgb + gdn_tree_blocked path
-        of forward."""
-        T = x.shape[0]
-        proj, ext = self.project(x)
-        z = proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
-        q, k, v, g, beta = gdn_tree.gdn_prologue(self, proj, ext, s.window)
-        kb, ub, cb = self.wy_bufs
-        o = gdn_tree.gdn_tree_blocked(q, k, v, g, beta, self.rec_state, s.path_mask, (kb[:, :T], ub[:, :T], cb[:, :T]),
-                                      s.kernels.tree_precision)
+        scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
+        if kn.tree(T, self.dk):
+            o = gdn_tree.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask, scratch,
+                                           kn.tree_precision)
+        else:
+            o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(self, proj, ext, s.window), self.rec_state,
+                                          s.path_mask, scratch, kn.tree_precision)
         o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, -1))
 

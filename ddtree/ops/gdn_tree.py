@@ -156,7 +156,7 @@ def _gdn_prologue_kernel(
     gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, r, mr)  # b, a after qkv and z
     mrk = mr[:, None] & mk[None, :]
     tl.store(q + r[:, None] * s_qt + h * s_qh + ok[None, :], Q, mask=mrk)
-    tl.store(k + r[:, None] * s_qt + h * s_qh + ok[None, :], K, mask=mrk)
+    tl.store(k + r[:, None] * s_qt + h * s_qh + ok[None, :], K, mask=mrk)  # (k is shaped and strided as q)
     tl.store(v + r[:, None] * s_vt + h * s_vh + ov[None, :], V, mask=mr[:, None] & mv[None, :])
     tl.store(g + r * s_gt + h, gg, mask=mr)
     tl.store(beta + r * s_gt + h, bb, mask=mr)
@@ -241,7 +241,6 @@ def _gdn_tree_blocked_kernel(
         tl.store(o + rb[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mbv)
         tl.store(ubuf + h * s_ubh + rb[:, None] * s_ubt + ov[None, :], U, mask=mbv)
         tl.debug_barrier()  # block b's U is read back by every later block
-
 
 
 @torch.compiler.disable

@@ -216,8 +216,8 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
 def test_prologue_kernel_matches_qkvgb(cfg):
     """The blocked verify's prologue kernel (gdn_tree.gdn_prologue: tree convolution + SiLU, q/k
     l2 norms, head repeat, gates from the projection) against qkvgb on random trees of one to five
-    16-node blocks and random conv states; and the whole mixer through it and the blocked
-    recurrence (_tree_blocked) against the torch path."""
+    16-node blocks and random conv states; and the whole mixer through the Triton prologue path
+    (_tree_fused: past 32 nodes here the prologue kernel and the blocks) against the torch path."""
     import dataclasses
 
     from ddtree.ops.dispatch import resolve
@@ -239,8 +239,9 @@ def test_prologue_kernel_matches_qkvgb(cfg):
         for name, a, b in zip("q k v g beta".split(), gdn_tree.gdn_prologue(layer, proj, ext, s.window), want):
             assert a.shape == b.shape, name
             ERR.note("prologue kernel", assert_rel(a, b.float(), 1e-5, f"{name} T={T}"))
-        ERR.note("prologue kernel mixer", assert_rel(layer._tree_blocked(x, dataclasses.replace(s, kernels=fast)),
-                                                     layer.forward(x, s), 1e-5, f"T={T}"))
+        fused = dataclasses.replace(s, kernels=fast)
+        assert fast.prologue(T, layer.dk) and fast.blocked(T, layer.dk) == (T > 32)  # (auto's one tile: 32 nodes here)
+        ERR.note("prologue kernel mixer", assert_rel(layer._tree_fused(x, fused), layer.forward(x, s), 1e-5, f"T={T}"))
 
 
 @pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
