@@ -251,10 +251,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     instead of blocked_tiles'. root: node 0 is an ancestor of every node (true of every verify
     tree; not checked), folded into the state first; None: where that saves a block (fold_root)."""
     T, H, dk = q.shape
-    for t in (q, k, v):
-        assert t.stride(-1) == 1
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
+    strides = _input_strides(q, k, v, g, beta)
     return _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], precision,
                            tiles, block, root)
 
@@ -313,10 +310,7 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tile
     does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
     path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps). -> o [T, H, dv] fp32."""
     T, H, dk = q.shape
-    for t in (q, k, v):
-        assert t.stride(-1) == 1
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
+    strides = _input_strides(q, k, v, g, beta)
     return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles)
 
 
@@ -354,6 +348,14 @@ def blocked_tiles(T: int, dv: int) -> tuple[int, int]:
 def launch_tiles(T: int, dv: int) -> tuple[int, int]:
     """(BV value channels per program, warps) for a T-node tree."""
     return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4
+
+
+def _input_strides(q, k, v, g, beta) -> tuple:
+    """Both tree kernels' (row, head) strides of ready inputs; their channels must be contiguous."""
+    for t in (q, k, v):
+        assert t.stride(-1) == 1
+    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
 
 
 def _mask_and_output(path_mask, out, S0, T: int, H: int, dv: int):
