@@ -14,6 +14,7 @@ package reads the environment for these.
     tree_prologue    DDTREE_TREE_PROLOGUE     65        the GDN prologue in Triton for trees of up to N nodes: inside the one-tile tree kernel, or one kernel ahead of the blocked one (0: off)
     attention        DDTREE_ATTENTION         auto      tree / decode attention: auto (the split-KV kernel where it runs), kernel, sdpa (dense-mask twin)
     prefill_attention DDTREE_PREFILL_ATTENTION auto     prefill attention: auto (cuDNN, else FlashAttention-2, else the split-KV kernel), cudnn, flash, triton, efficient
+    verify_fused     DDTREE_VERIFY_FUSED      auto      a verify's long committed prefix through cuDNN's attention, the rest by the split-KV kernel: auto (Hopper), on (any CUDA GPU), off
     fla              DDTREE_NO_FLA=1          on        flash-linear-attention's chunk kernel for prefill (when installed)
     host_rounds      DDTREE_HOST_ROUNDS=1     off       the host-tree round loop (the reference twin of the device pipeline)
     split_graphs     DDTREE_SPLIT_GRAPHS=1    off       a layer split's rounds as CUDA graph segments, one per stage visit (experimental)
@@ -83,6 +84,9 @@ class Options:
                                      "prefill attention: auto (cuDNN, else FlashAttention-2, else the split-KV kernel), "
                                      "cudnn, flash, triton, efficient",
                                      _choice("auto", "cudnn", "flash", "triton", "efficient"), default="auto")
+    verify_fused: str = _switch("DDTREE_VERIFY_FUSED",
+                                "a verify's long committed prefix through cuDNN's attention: auto (Hopper), on, off",
+                                _choice("auto", "on", "off", alias={"1": "on", "0": "off"}), default="auto")
     fla: bool = _switch("DDTREE_NO_FLA", "flash-linear-attention's chunk kernel for prefill (when installed)",
                         _off_when_set, default=True)
     host_rounds: bool = _switch("DDTREE_HOST_ROUNDS", "the host-tree round loop (reference twin of the device pipeline)",

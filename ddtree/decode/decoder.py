@@ -32,7 +32,7 @@ from ddtree.decode.buffers import Slot, Statics
 from ddtree.decode.clock import StageClock, sync
 from ddtree.decode.graphs import GraphRunner, VerifyKey, bucket
 from ddtree.decode.reference import Draft, host_tree, run_host_rounds
-from ddtree.decode.round import Pipeline
+from ddtree.decode.round import AHEAD_MARGIN, Pipeline
 from ddtree.decode.sampling import SamplingParams, choose
 from ddtree.errors import DDTreeError
 from ddtree.model.drafter import DFlashDrafter
@@ -143,6 +143,20 @@ class Decoder:
             b = max(b, 1 << (n - 1).bit_length())
         return min(b, self.max_len)
 
+    def start_floor(self, kv_len: int, T: int) -> int:
+        """A lower bound on the committed length of any T-node verify under a graph key of bound
+        kv_len (the attention's fused prefix reads below it: Step.floor): the least n that
+        kv_len(n) maps to this bound, less T, less what a round still in flight may commit
+        (rounds are queued one ahead with their start's upper bound: ddtree.decode.round)."""
+        lo, hi = 1, kv_len  # kv_len(n) is non-decreasing: the least n with kv_len(n) >= kv_len
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.kv_len(mid) >= kv_len:
+                hi = mid
+            else:
+                lo = mid + 1
+        return max(0, lo - T - AHEAD_MARGIN)
+
     @property
     def split(self) -> bool:
         return len(self.target.stages) > 1
@@ -177,7 +191,7 @@ class Decoder:
         tgt = self.target
         tokens, depths, start = tgt.enter(0, slot.tokens, slot.depths, self.start_d)  # the positions on stage 0
         logits, tap = tgt.forward(tokens, start + depths, slot.mask, slot.parents, start, key.kv_len,
-                                  want_taps=key.taps)
+                                  want_taps=key.taps, floor=self.start_floor(key.kv_len, key.T))
         if key.greedy:  # the forward ends on the last stage: home
             slot.choice.copy_(logits.argmax(-1))
         return logits, tap

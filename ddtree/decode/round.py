@@ -31,6 +31,10 @@ from ddtree.decode.buffers import HostRing, Packet
 from ddtree.decode.graphs import PrefixKey, StepKey
 from ddtree.stats import RoundRecord
 
+# A queued round's committed length is at least its upper bound less what the round before it may
+# still commit (its path length P): Decoder.start_floor subtracts this margin, so P must not pass it.
+AHEAD_MARGIN = 256
+
 
 def emit(toks: list[int], room: int, stop_ids) -> tuple[list[int], bool]:
     """A round's tokens as emitted: at most `room`, cut after the first stop token. -> (tokens, stopped)."""
@@ -71,6 +75,7 @@ class Pipeline:
 
     def __init__(self, dec, policy: Policy, sampling, gen, clock):
         self.dec, self.policy, self.sampling, self.gen, self.clock = dec, policy, sampling, gen, clock
+        assert policy.P <= AHEAD_MARGIN, f"path length {policy.P} past the queued rounds' margin {AHEAD_MARGIN}"
         self.packet = Packet(policy.P, policy.E)
         self.ring = HostRing(self.packet.size, dec.device)
         self.zeros = dec.statics.full(policy.E, 0.0) if policy.E else None

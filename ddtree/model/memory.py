@@ -22,7 +22,7 @@ tokens) of one forward, B the drafter's block.
 from __future__ import annotations
 
 from ddtree.model.config import DrafterConfig, TargetConfig
-from ddtree.ops.split_rule import num_splits
+from ddtree.ops.split_rule import FUSED_MIN_ROWS, fused_prefix_plan, num_splits
 
 GDN, ATTN = "linear_attention", "full_attention"
 F32 = 4
@@ -375,10 +375,15 @@ ATTENTION_PATHS = ("kernel", "math", "fused")
 
 
 def tree_attention_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: int, sms: int = 132,
-                                   bm: int = 128) -> int:
+                                   bm: int = 128, dt: int = 2) -> int:
     """tree_attention's fp32 partials for T queries over S keys (_split_workspace; bm: the
-    largest row tile of ddtree.ops.attention's table, which gives the most splits)."""
-    return _split_workspace(kv_heads, head_dim, T * (q_heads // kv_heads), S, sms, bm)
+    largest row tile of ddtree.ops.attention's table, which gives the most splits), and where
+    the prefix may go through cuDNN (a verify's floor up to S) that part's too: the folded
+    queries, their copy per range, each range's output and log-sum-exp (split_rule.fused_prefix_plan)."""
+    rows = T * (q_heads // kv_heads)
+    n = fused_prefix_plan(S, rows, kv_heads, sms)[0] if rows >= FUSED_MIN_ROWS else 0
+    fused = kv_heads * rows * head_dim * dt * (1 + 2 * n) + n * kv_heads * rows * F32
+    return max(_split_workspace(kv_heads, head_dim, rows, S, sms, bm), kv_heads * rows * (head_dim + 2) * F32) + fused
 
 
 def sdpa_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: int, dtype, path: str) -> int:
@@ -394,7 +399,7 @@ def sdpa_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: 
     fused (cuDNN): the additive mask [T, S] and contiguous copies of the k / v views."""
     dt = dtype_bytes(dtype)
     if path == "kernel":
-        return tree_attention_workspace_bytes(q_heads, kv_heads, head_dim, T, S)
+        return tree_attention_workspace_bytes(q_heads, kv_heads, head_dim, T, S, dt=dt)
     mask = T * S * dt
     if path == "fused":
         return mask + 2 * S * kv_heads * head_dim * dt

@@ -46,7 +46,9 @@ class Step:
 
     positions [T]; path_mask [T, T] bool; window [T, width] conv rows; attn_mask [T, kv_len] bool
     (the SDPA twin only; None when the attention kernel serves the device); cos/sin [T, rd];
-    start: 0-dim long (committed length); kv_len: host int >= start + T.
+    start: 0-dim long (committed length); kv_len: host int >= start + T; floor: host int <= start
+    that the caller guarantees (0: none): the attention's fused prefix reads [0, B <= floor)
+    (ddtree.ops.attention.tree_attention), where the device's kernels take it.
     """
 
     positions: torch.Tensor
@@ -58,6 +60,7 @@ class Step:
     start: torch.Tensor
     kv_len: int
     kernels: Kernels = REFERENCE  # the fast paths this stage's device takes (ddtree.ops.dispatch)
+    floor: int = 0
 
 
 class Attention(nn.Module):
@@ -95,7 +98,7 @@ class Attention(nn.Module):
         self.k_cache.index_copy_(0, slots, k)
         self.v_cache.index_copy_(0, slots, v)
         if s.attn_mask is None:  # the split-KV kernel: each K/V row read once for every node and query head
-            o = tree_attention(q, self.k_cache, self.v_cache, s.start, s.path_mask, s.kv_len).reshape(T, -1)
+            o = tree_attention(q, self.k_cache, self.v_cache, s.start, s.path_mask, s.kv_len, floor=s.floor).reshape(T, -1)
         else:  # the twin: SDPA with the dense [T, kv_len] mask
             S = s.attn_mask.shape[-1]  # = s.kv_len, read from a shape so that compiled code keeps it symbolic
             kk = self.k_cache[:S].transpose(0, 1)[None]  # [1, kvh, S, hd]
@@ -531,8 +534,10 @@ class TargetModel(nn.Module):
             group.reset()
 
     # ------------------------------------------------------------------ forward
-    def make_step(self, positions, path_mask, parents, start, kv_len: int, stage: int | torch.device = 0) -> Step:
-        """The Step of a stage (an index, or a device: its first stage) from inputs on its device."""
+    def make_step(self, positions, path_mask, parents, start, kv_len: int, stage: int | torch.device = 0,
+                  floor: int = 0) -> Step:
+        """The Step of a stage (an index, or a device: its first stage) from inputs on its device.
+        floor: a host lower bound on start (Step.floor), kept where the stage's kernels take it."""
         if not isinstance(stage, int):
             stage = next((st.index for st in self.stages if st.device == torch.device(stage)), 0)
         device = self.stages[stage].device if self.stages else positions.device
@@ -556,6 +561,7 @@ class TargetModel(nn.Module):
             start=start,
             kv_len=kv_len,
             kernels=kernels,
+            floor=floor if kernels.fused_prefix else 0,
         )
 
     @torch.no_grad()
@@ -569,9 +575,10 @@ class TargetModel(nn.Module):
         kv_len: int,
         logit_rows: torch.Tensor | None = None,
         want_taps: bool = True,
+        floor: int = 0,
     ):
         """tokens/positions/parents [T] long, path_mask [T, T] bool, start 0-dim long (any stage's
-        device; each stage gets them at its boundary).
+        device; each stage gets them at its boundary); floor: a host lower bound on start (Step.floor).
 
         Returns logits [R, vocab] (R = T, or len(logit_rows)) and the tap hidden states
         [T, len(tap_layers) * hidden] on the last stage (None if not wanted).
@@ -595,7 +602,7 @@ class TargetModel(nn.Module):
                 x = self.embed_tokens(x)
                 if fast and T > 1:
                     torch._dynamo.maybe_mark_dynamic(x, 0)
-            s = self.make_step(*step_in, kv_len, j)
+            s = self.make_step(*step_in, kv_len, j, floor)
             if fast:
                 _mark_dynamic(s)
             if j in self.gdn_groups:  # what the commit will need

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddtree.ops.split_rule import MAX_SPLITS, MIN_SPLIT_KEYS, num_splits  # noqa: F401  (torch-free: the memory plan's too)
+from ddtree.ops.split_rule import FUSED_MIN_ROWS, MAX_SPLITS, MIN_SPLIT_KEYS, fused_prefix_plan, num_splits  # noqa: F401  (torch-free: the memory plan's too)
 from ddtree.ops.triton_util import _kernel, _on_device_of, tl, triton
 
 LOG2E = 1.4426950408889634
@@ -225,7 +225,7 @@ def _sm_count(device: torch.device) -> int:
 # ----------------------------------------------------------------------------- kernels
 def _attn_fwd_kernel(
     q, kc, vc, start_ptr, tm, qpos, o, ws_acc, ws_ml,
-    T, kv_len, W, NS, qk_scale,  # qk_scale = scale * log2(e): the softmax runs in base 2
+    T, kv_len, W, LO, NS, qk_scale,  # qk_scale = scale * log2(e): the softmax runs in base 2; LO: first prefix key
     s_qt, s_qh, s_kn, s_kh, s_vn, s_vh, s_ot, s_oh,
     G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     TREE: tl.constexpr,  # 0: tree_mask [T, T] int8; 1: causal (tril); 2: all visible
@@ -249,6 +249,7 @@ def _attn_fwd_kernel(
     p0 = 0
     if WINDOW:
         p0 = tl.maximum(start - W + 1, 0)  # older keys are out of every query's window (q_pos >= start)
+    p0 = tl.maximum(p0, LO)  # keys below LO: the fused prefix's (merged with these partials)
     if FUSED:
         lo = p0
         hi = end
@@ -335,8 +336,11 @@ def _attn_fwd_kernel(
 
 
 def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
+                       xo, xl, NX, s_xs, s_xh, s_xr, s_ls, s_lh, s_lr,
                        G: tl.constexpr, D: tl.constexpr, BMM: tl.constexpr):
-    # One program: BMM rows of one KV head; the NSP partials of each row merged by log-sum-exp.
+    # One program: BMM rows of one KV head; the NSP partials of each row merged by log-sum-exp,
+    # and the NX partials of the fused prefix (xo [NX, KVH, rows, D] normalized, xl its natural
+    # log-sum-exp: in base 2, m = xl * log2(e) and l = 1).
     kvh = tl.program_id(1)
     KVH = tl.num_programs(1)
     MP = T * G
@@ -358,6 +362,16 @@ def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
         l_run = l_run * alpha + l_s * beta
         acc = acc * alpha[:, None] + a_s * beta[:, None]
         m_run = m_new
+    for s in range(0, NX):
+        m_s = tl.load(xl + s * s_ls + kvh * s_lh + om * s_lr, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        a_s = tl.load(xo + s * s_xs + kvh * s_xh + om[:, None] * s_xr + od[None, :], mask=row_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, m_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        beta = tl.exp2(m_s - m_use)
+        l_run = l_run * alpha + beta
+        acc = acc * alpha[:, None] + a_s.to(tl.float32) * beta[:, None]
+        m_run = m_new
     t = om // G
     h = kvh * G + om % G
     out = acc / tl.where(row_ok, l_run, 1.0)[:, None]
@@ -370,8 +384,80 @@ def _workspace(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
+FUSED_BACKENDS = ("auto", "torch", "off")
+_FUSED_PREFIX_FAILED: set = set()  # (device, dtype, D) where cuDNN refused the fused prefix: auto skips it
+_CUDNN_Q_STRIDE0: dict = {}  # device -> whether cuDNN took the query block broadcast over the ranges
+
+
+def fused_prefix_reference(qf, k_cache, v_cache, S: int, C: int, scale: float):
+    """Twin of the fused prefix: qf [KVH, rows, D] over S ranges of C keys from row 0 of k_cache,
+    v_cache [N, KVH, D], each unmasked. -> (o [S, KVH, rows, D] normalized, lse [S, KVH, rows]
+    natural log), fp32."""
+    KVH, rows, D = qf.shape
+    k4 = k_cache[:S * C].view(S, C, KVH, D).permute(0, 2, 1, 3).float()  # [S, KVH, C, D]
+    v4 = v_cache[:S * C].view(S, C, KVH, D).permute(0, 2, 1, 3).float()
+    sc = torch.einsum("hrd,shcd->shrc", qf.float(), k4) * scale
+    lse = torch.logsumexp(sc, -1)
+    return torch.einsum("shrc,shcd->shrd", (sc - lse[..., None]).exp(), v4), lse
+
+
+def _fused_prefix_cudnn(qf, k_cache, v_cache, S: int, C: int, scale: float):
+    """The same through cuDNN's fused attention (SDPA's cuDNN backend) in one batched call: the S
+    ranges are a batch of strided views of the cache (no copy), the query block broadcast over
+    them. -> (o [S, KVH, rows, D] in q's dtype, lse [S, KVH, rows(, 1)] fp32)."""
+    KVH, rows, D = qf.shape
+    k4 = k_cache[:S * C].view(S, C, KVH, D).permute(0, 2, 1, 3)  # [S, KVH, C, D]
+    v4 = v_cache[:S * C].view(S, C, KVH, D).permute(0, 2, 1, 3)
+    q4 = qf[None].expand(S, KVH, rows, D)
+    if not _CUDNN_Q_STRIDE0.get(qf.device, True):
+        q4 = q4.contiguous()
+    call = torch.ops.aten._scaled_dot_product_cudnn_attention
+    try:
+        o, lse = call(q4, k4, v4, None, True, 0.0, False, False, scale=scale)[:2]
+        _CUDNN_Q_STRIDE0.setdefault(qf.device, q4.stride(0) == 0)
+    except RuntimeError:
+        if q4.stride(0) != 0:
+            raise
+        _CUDNN_Q_STRIDE0[qf.device] = False
+        o, lse = call(q4.contiguous(), k4, v4, None, True, 0.0, False, False, scale=scale)[:2]
+    return o, lse
+
+
+def _cudnn_prefix_ok(q, D: int) -> bool:
+    """Whether cuDNN's attention may take this call's prefix (CUDA, 16-bit, head dim <= 256, not refused before)."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and D <= 256 and D % 8 == 0
+            and (q.device, q.dtype, D) not in _FUSED_PREFIX_FAILED)
+
+
+def _fused_prefix(q, k_cache, v_cache, floor: int, fused: str, window, sc_nat: float):
+    """The fused prefix of a call (see tree_attention), or None where it does not serve. ->
+    (B, o, lse): the prefix [0, B) as partials o [S, KVH, rows, D], lse [S, KVH, rows(, 1)]."""
+    T, H, D = q.shape
+    KVH = k_cache.shape[1]
+    rows = T * (H // KVH)
+    key = (q.device, q.dtype, D)
+    if fused == "off" or floor <= 0 or window is not None or rows < FUSED_MIN_ROWS:
+        return None
+    if fused == "auto" and not _cudnn_prefix_ok(q, D):
+        return None
+    S, C = fused_prefix_plan(floor, rows, KVH, _sm_count(q.device))
+    if not S:
+        return None
+    qf = q.view(T, KVH, H // KVH, D).permute(1, 0, 2, 3).reshape(KVH, rows, D)  # row m = t * G + g
+    if fused == "torch":
+        o, lse = fused_prefix_reference(qf, k_cache, v_cache, S, C, sc_nat)
+        return S * C, o, lse
+    try:
+        o, lse = _fused_prefix_cudnn(qf, k_cache, v_cache, S, C, sc_nat)
+    except RuntimeError:  # cuDNN not built for / not usable on this GPU or shape: the kernel alone
+        _FUSED_PREFIX_FAILED.add(key)
+        return None
+    return S * C, o, lse
+
+
 def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=None, window=None, scale=None,
-                   *, causal: bool = True, out=None, splits: int | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+                   *, causal: bool = True, out=None, splits: int | None = None, tiles: Tiles | None = None,
+                   floor: int = 0, fused: str = "auto") -> torch.Tensor:
     """Attention of T new tokens over a KV cache: the committed prefix [0, start) unmasked plus
     the tokens' own keys (rows start..start+T-1, already written) under tree_mask.
 
@@ -384,13 +470,23 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     key_pos - q_pos >= window); key_pos = row; q_pos [T] long (default start + arange(T)) must be
     >= start: the prefix read begins at row start - window + 1. out: optional [T, H, D] to write.
     splits: prefix ranges (None: num_splits' rule; 0 or 1: none, one program per m-tile does all);
-    tiles: override (benchmarks). -> o [T, H, D] in q's dtype (fp32 accumulation)."""
+    tiles: override (benchmarks).
+
+    floor: a host lower bound the caller guarantees on start (0: none). Where it is long
+    (split_rule.fused_prefix_plan) and the rows are many (T * G >= FUSED_MIN_ROWS, no window),
+    the prefix [0, B), B <= floor, runs as S ranges through cuDNN's fused attention in one
+    batched call (fused="auto", where it runs: about 1.6x the split-KV kernel's tensor-core rate
+    at head dim 256 on an H200) or its torch twin (fused="torch", tests); the kernel reads
+    [B, start) and the tree, and the merge takes both sets of partials. A start below floor
+    would read keys past it as prefix: the caller's bound must hold. -> o [T, H, D] in q's
+    dtype (fp32 accumulation)."""
     T, H, D = q.shape
     N, KVH, _ = k_cache.shape
     assert H % KVH == 0 and k_cache.shape == v_cache.shape and k_cache.shape[-1] == D
     assert D >= 16 and D & (D - 1) == 0, f"head dim {D}: a power of two >= 16"
     assert T <= kv_len <= N, (T, kv_len, N)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert fused in FUSED_BACKENDS, fused
     G = H // KVH
     dev = q.device
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -409,8 +505,18 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
         out = torch.empty(T, H, D, dtype=q.dtype, device=dev)
     assert out.shape == (T, H, D) and out.stride(-1) == 1
     rows = T * G  # query rows per KV head
-    sc = (1.0 / math.sqrt(D) if scale is None else float(scale)) * LOG2E
+    sc_nat = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    sc = sc_nat * LOG2E
     read_len = kv_len if window is None else min(kv_len, int(window))
+    pre = _fused_prefix(q, k_cache, v_cache, min(int(floor), kv_len - T), fused, window, sc_nat)
+    lo = 0
+    if pre is not None:
+        lo, xo, xl = pre
+        xl3 = xl.reshape(xl.shape[0], KVH, rows)
+        read_len = kv_len - lo
+        x_args = (xo, xl3, xo.shape[0], xo.stride(0), xo.stride(1), xo.stride(2), xl3.stride(0), xl3.stride(1), xl3.stride(2))
+    else:
+        x_args = (out, out, 0, 0, 0, 0, 0, 0, 0)
     key = (dev.index, D, q.dtype)
     todo = [tiles] if tiles is not None else [c for c in candidate_tiles(D, rows, q.dtype, dev, read_len) if (c, key) not in _BAD]
     kern = _kernel(_attn_fwd_kernel, interpret=not q.is_cuda)
@@ -421,6 +527,8 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
         if splits is None and q.dtype == torch.float32:  # fp32: a program's online softmax over at most
             ns = max(ns, min(128, read_len // FP32_SPLIT_KEYS))  # FP32_SPLIT_KEYS keys keeps its rounding near the twin's
         ns = 0 if ns <= 1 else ns
+        if pre is not None:
+            ns = max(ns, 1)  # partials for the merge with the fused prefix's
         if ns:
             ws_acc = _workspace(ns * KVH * rows * D, dev)  # [NS, KVH, rows, D]
             ws_ml = _workspace(2 * ns * KVH * rows, dev)  # m then l: [2, NS, KVH, rows]
@@ -430,7 +538,7 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
             with _on_device_of(q):
                 kern[(_cdiv(rows, tt.bm), max(ns, 1), KVH)](
                     q, k_cache, v_cache, start, tm, start if q_pos is None else q_pos, out, ws_acc, ws_ml,
-                    T, kv_len, int(window or 0), max(ns, 1), sc,
+                    T, kv_len, int(window or 0), lo, max(ns, 1), sc,
                     q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                     v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
                     G=G, D=D, BM=tt.bm, BN=tt.bn, TREE=mode, WINDOW=window is not None, TWO_SIDED=not causal,
@@ -438,7 +546,7 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
                 )
                 if ns:
                     bmm = max(2, min(4096 // D, _pow2(rows)))
-                    merge[(_cdiv(rows, bmm), KVH)](ws_acc, ws_ml, out, T, ns, out.stride(0), out.stride(1),
+                    merge[(_cdiv(rows, bmm), KVH)](ws_acc, ws_ml, out, T, ns, out.stride(0), out.stride(1), *x_args,
                                                    G=G, D=D, BMM=bmm, num_warps=4)
             return out
         except Exception as e:  # a tile too big for this GPU's shared memory: the next one

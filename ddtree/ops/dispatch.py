@@ -56,6 +56,7 @@ class Kernels:
     attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
     prefill_attention: str = "auto"  # ddtree.ops.attention.prefill_attention's backend (auto: math on CPU)
+    fused_prefix: bool = False  # a verify's committed prefix through cuDNN's attention (tree_attention's floor)
 
     def tree(self, T: int, dk: int) -> bool:
         """The one-kernel tree verify for a T-node tree of key width dk?"""
@@ -94,7 +95,17 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
         attention=_attention(options, tri),
         fla=options.fla and dev.type == "cuda",
         prefill_attention=options.prefill_attention if dev.type == "cuda" else "auto",
+        fused_prefix=_fused_prefix(options, dev, a) and _attention(options, tri) == "kernel",
     )
+
+
+def _fused_prefix(options: Options, dev: torch.device, a) -> bool:
+    """cuDNN's attention for a verify's long committed prefix: auto on Hopper and later (measured
+    there: results/verify-paths-h200.json), on for any CUDA GPU (cuDNN refusing a shape falls back
+    to the split-KV kernel alone), off."""
+    if options.verify_fused == "off" or dev.type != "cuda":
+        return False
+    return options.verify_fused == "on" or (a is not None and a.major >= 9)
 
 
 def _attention(options: Options, tri: bool) -> str:

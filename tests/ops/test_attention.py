@@ -263,6 +263,94 @@ def test_tiles_fit_the_shared_memory():
                     assert all(16 <= t.bm <= max(16, 1 << (T * G - 1).bit_length()) for t in tiles)
 
 
+# ----------------------------------------------------------------------------- the fused prefix
+@pytest.fixture
+def small_fused_plan(monkeypatch):
+    """The fused prefix's plan at test sizes (its thresholds are for 16K+ prefixes)."""
+    from ddtree.ops import split_rule
+
+    monkeypatch.setattr(split_rule, "FUSED_MIN_KEYS", 48)
+    monkeypatch.setattr(split_rule, "FUSED_MIN_RANGE", 16)
+    monkeypatch.setattr(split_rule, "FUSED_ALIGN", 8)
+
+
+def _fused_cases(n: int):
+    g = torch.Generator().manual_seed(77)
+    out = []
+    while len(out) < n:
+        KVH, G = [(1, 6), (2, 4), (4, 6), (1, 1)][len(out) % 4]
+        T = [11, 16, 17, 33, 64, 65, 100, 128][int(torch.randint(8, (), generator=g))]
+        if T * G < A.FUSED_MIN_ROWS:
+            continue
+        D = (64, 256)[int(torch.randint(2, (), generator=g))]
+        floor = int(torch.randint(48, 400, (), generator=g))
+        start = floor + [0, 1, 9, 150][len(out) % 4]  # the bound exact, or below start
+        if T * KVH * G * (start + T) * D > 6e6:
+            continue
+        out.append((len(out), T, KVH * G, KVH, D, start, floor, start + T + int(torch.randint(0, 40, (), generator=g)),
+                    ["chain", "star", "bushy"][len(out) % 3]))
+    return out
+
+
+@pytest.mark.parametrize("case", _fused_cases(12), ids=lambda c: f"T{c[1]}-H{c[2]}-KVH{c[3]}-D{c[4]}-s{c[5]}-f{c[6]}-{c[8]}")
+def test_fused_prefix_equals_twin(small_fused_plan, monkeypatch, case):
+    """A verify whose prefix [0, B) goes through the fused part (its torch twin here: cuDNN's
+    contract) and [B, start) plus the tree through the kernel, merged: equal to the dense twin in
+    fp32 on random trees, GQA 1, 4 and 6, head dims 64 and 256, floors at and below start. The
+    fused part is seen to run, over ranges that end at or below the floor."""
+    seed, T, H, KVH, D, start, floor, kv_len, kind = case
+    seen = []
+    real = A.fused_prefix_reference
+
+    def spy(qf, k, v, S, C, scale):
+        seen.append(S * C)
+        return real(qf, k, v, S, C, scale)
+
+    monkeypatch.setattr(A, "fused_prefix_reference", spy)
+    g = torch.Generator().manual_seed(seed)
+    k, v = make_cache(seed, kv_len + 5, KVH, D)
+    q = torch.randn(T, H, D, generator=g)
+    mask = ancestor_mask(random_parents(T, kind, g))
+    kp, vp = poisoned(k, v, 0, start + T)
+    out = torch.full((T, H, D), float("nan"), device=DEV)
+    got = A.tree_attention(q.to(DEV), kp.to(DEV), vp.to(DEV), torch.tensor(start, device=DEV), mask.to(DEV), kv_len,
+                           out=out, floor=floor, fused="torch")
+    want = A.tree_attention_reference(q, k, v, torch.tensor(start), mask, kv_len)
+    assert len(seen) == 1 and 0 < seen[0] <= floor, (seen, floor)
+    ERR.note("fused prefix", assert_rel(got.cpu(), want, TOL, f"fused T={T} H={H} KVH={KVH} D={D} start={start} floor={floor}"))
+
+
+def test_fused_prefix_serves_only_where_it_should(small_fused_plan, monkeypatch):
+    """No fused part without a floor, for few rows (an AR step), with a window, or off; cuDNN's
+    backend (auto) only for CUDA bf16 / fp16."""
+    calls = []
+    monkeypatch.setattr(A, "fused_prefix_reference", lambda *a: calls.append(1) or (_ for _ in ()).throw(AssertionError))
+    k, v = make_cache(5, 400, 1, 64)
+    q = torch.randn(16, 6, 64)
+    m = ancestor_mask(random_parents(16, "bushy", torch.Generator().manual_seed(5)))
+    st = torch.tensor(300)
+    for kw in (dict(floor=0, fused="torch"), dict(floor=250, fused="off"), dict(floor=250, fused="auto")):
+        A.tree_attention(q.to(DEV), k.to(DEV), v.to(DEV), st.to(DEV), m.to(DEV), 330, **kw)  # fp32 (and CPU): no cuDNN
+    A.tree_attention(q[:2].to(DEV), k.to(DEV), v.to(DEV), st.to(DEV), m[:2, :2].to(DEV), 330, floor=250, fused="torch")
+    A.tree_attention(q.to(DEV), k.to(DEV), v.to(DEV), st.to(DEV), "causal", 330, window=64, floor=250, fused="torch")
+    assert not calls
+
+
+def test_fused_prefix_plan():
+    """The fused ranges end at or below the floor, fill about one wave (S x KV heads x 128-row tiles
+    <= SMs), keep ranges of at least FUSED_MIN_RANGE keys, and stay off below FUSED_MIN_KEYS."""
+    from ddtree.ops.split_rule import FUSED_MIN_KEYS, FUSED_MIN_RANGE, fused_prefix_plan
+
+    assert fused_prefix_plan(FUSED_MIN_KEYS - 1, 198, 4, 132) == (0, 0)
+    for floor in (FUSED_MIN_KEYS, 32768 - 300, 131072 - 289, 262144 - 1000):
+        for rows in (64, 96, 102, 198, 390, 768):
+            S, C = fused_prefix_plan(floor, rows, 4, 132)
+            assert S >= 1 and C >= FUSED_MIN_RANGE and S * C <= floor, (floor, rows, S, C)
+            assert S * 4 * -(-rows // 128) <= 132 or S == 1
+            assert floor - S * C < S * 1024, "little of the prefix left to the split-KV kernel"
+    assert fused_prefix_plan(131072, 102, 4, 132)[0] == 33 and fused_prefix_plan(131072, 198, 4, 132)[0] == 16
+
+
 def test_report_errors():
     ERR.report("attention")
 
@@ -392,3 +480,60 @@ def test_long_reads_take_the_long_table():
         assert A.pick_tiles(256, rows, 2, hop, True, A.LONG_READ_KEYS + 1)[0].bm == long_bm, rows
     # Ampere has no mid or long table: the same tiles at any length
     assert A.pick_tiles(256, 198, 2, 101376, False, 1 << 20) == A.pick_tiles(256, 198, 2, 101376, False, 1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [16, 33, 65])
+def test_gpu_fused_prefix_cudnn(T):
+    """The 27B's verify at a 32K prefix with a floor: cuDNN's partials against their torch twin,
+    the whole call against the fp32 dense twin (bf16), and a CUDA graph captured once and replayed
+    at other lengths above the floor."""
+    H, KVH, D, floor = 24, 4, 256, 32768 - 300
+    kv_len = 32768 + 512
+    k, v = (t.cuda() for t in make_cache(9, kv_len, KVH, D, torch.bfloat16))
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    mask = ancestor_mask(random_parents(T, "bushy", torch.Generator().manual_seed(T))).cuda()
+    S, C = A.fused_prefix_plan(floor, T * 6, KVH, torch.cuda.get_device_properties(0).multi_processor_count)
+    qf = q.view(T, KVH, 6, D).permute(1, 0, 2, 3).reshape(KVH, T * 6, D)
+    o, lse = A._fused_prefix_cudnn(qf, k, v, S, C, D ** -0.5)
+    o_ref, lse_ref = A.fused_prefix_reference(qf, k, v, S, C, D ** -0.5)
+    assert_rel(o.float(), o_ref, 2e-2, "cuDNN partials")
+    torch.testing.assert_close(lse.reshape(S, KVH, -1).float(), lse_ref, rtol=1e-2, atol=1e-2)
+    st = torch.tensor(32768, device="cuda")
+    out = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
+    A.tree_attention(q, k, v, st, mask, kv_len, out=out, floor=floor)
+    assert (q.device, q.dtype, D) not in A._FUSED_PREFIX_FAILED, "cuDNN refused the fused prefix"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        A.tree_attention(q, k, v, st, mask, kv_len, out=out, floor=floor)
+    for start in (floor, 32768, kv_len - T):
+        st.fill_(start)
+        out.fill_(float("nan"))
+        graph.replay()
+        want = A.tree_attention_reference(q.float(), k.float(), v.float(), st, mask, kv_len)
+        ERR.note("gpu fused prefix bf16", assert_rel(out.float(), want, 2e-2, f"fused graph T={T} start={start}"))
+
+
+def test_greedy_decoding_through_the_fused_prefix_equals_ar(small_fused_plan, monkeypatch):
+    """A hybrid pair decoding a 600-token prompt with the fused prefix on (its torch twin standing
+    in for cuDNN): the floors the decoder derives from its graph keys hold at every verify (the
+    fused part reads only committed keys), and ddtree / dflash tokens equal ar's."""
+    from ddtree.model.synthetic import build_random_pair
+    from ddtree.ops import dispatch
+    from ddtree.options import Options
+
+    seen = []
+    real = A.fused_prefix_reference
+    monkeypatch.setattr(dispatch, "_fused_prefix", lambda options, dev, a: options.verify_fused != "off")
+    monkeypatch.setattr(A, "_cudnn_prefix_ok", lambda q, D: True)
+    monkeypatch.setattr(A, "FUSED_MIN_ROWS", 8)  # the tiny model's trees have few query rows
+    monkeypatch.setattr(A, "_fused_prefix_cudnn", lambda qf, k, v, S, C, scale: seen.append(S * C) or real(qf, k, v, S, C, scale))
+    prompt = torch.randint(0, 97, (600,), generator=torch.Generator().manual_seed(8)).tolist()
+    toks = {}
+    for name, method, kw in (("ar", "ar", {}), ("dflash", "dflash", {}), ("ddtree", "ddtree", dict(budget=12))):
+        opts = Options(triton_on_cpu=True, verify_fused="off" if name == "ar" else "on")
+        dec, _ = build_random_pair("hybrid", seed=5, device=DEV, options=opts, max_len=1024)
+        toks[name] = dec.generate(prompt, method, max_new_tokens=10, **kw).token_ids
+    assert seen, "the fused prefix never ran"
+    assert toks["dflash"] == toks["ar"] and toks["ddtree"] == toks["ar"]
