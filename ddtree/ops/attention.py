@@ -25,6 +25,11 @@ group. Grid (m-tiles, splits, KVH):
 * each writes (acc, m, l) to a workspace [NS, KVH, M, D]; a second kernel merges the NS
   partials of every row by log-sum-exp and writes o [T, H, D] in q's dtype.
 
+The fused prefix (`floor`, a host lower bound on start from the caller's graph key): on a long
+prefix the keys [0, B), B <= floor, run first through cuDNN's fused attention as S ranges in one
+batched call (the query block folded as above, broadcast over the ranges); the kernel then reads
+[B, start) and the tree into its partials, and the merge takes cuDNN's (o, lse) partials too.
+
 When one split suffices (short contexts, or enough m-tiles to fill the GPU) a single program per
 (m-tile, KV head) walks the prefix and then the tree and writes o itself (no workspace, no merge).
 Nothing depends on a host read of `start`: the grid and workspace come from host ints (T, kv_len,
