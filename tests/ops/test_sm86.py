@@ -467,7 +467,11 @@ SWITCHES = [Options(tree_kernel=m, tree_precision=p, tree_prologue=n, triton=t)
 
 @pytest.mark.parametrize("opt", SWITCHES, ids=lambda o: f"{o.tree_kernel}-{o.tree_precision}-{o.tree_prologue}-{o.triton}")
 def test_h200_choices_unchanged(opt):
-    assert dispatch.resolve(opt, "cuda", H200) == _old_resolve(opt)
+    """The H200 keeps those choices and adds the fused prefix (DDTREE_VERIFY_FUSED=auto: Hopper)
+    wherever the split-KV kernel serves; the A6000 (below) does not take it."""
+    old = _old_resolve(opt)
+    assert dispatch.resolve(opt, "cuda", H200) == dataclasses.replace(old, fused_prefix=old.attention == "kernel")
+    assert not dispatch.resolve(dataclasses.replace(opt, verify_fused="off"), "cuda", H200).fused_prefix
 
 
 @pytest.mark.parametrize("opt", SWITCHES, ids=lambda o: f"{o.tree_kernel}-{o.tree_precision}-{o.tree_prologue}-{o.triton}")
