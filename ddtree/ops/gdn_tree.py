@@ -251,9 +251,23 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     instead of blocked_tiles'. root: node 0 is an ancestor of every node (true of every verify
     tree; not checked), folded into the state first; None: where that saves a block (fold_root)."""
     T, H, dk = q.shape
+    dv = v.shape[-1]
     strides = _input_strides(q, k, v, g, beta)
-    return _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], precision,
-                           tiles, block, root)
+    mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
+    kb, ub, cb = out
+    root = fold_root(T, block) if root is None else bool(root)
+    BV, warps = tiles or blocked_tiles(T - root, dv)
+    kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
+    with _on_device_of(S0):
+        kern[(H, triton.cdiv(dv, BV))](
+            q, k, v, g, beta, S0, mask, o, kb, ub, cb,
+            *strides, o.stride(0), o.stride(1),
+            kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
+            T=T, DK=dk, DV=dv, BT=_tile(T), SB=block, BK=_tile(dk), BV=BV,
+            NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=warps,
+            PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)), ROOT=int(root),
+        )
+    return o
 
 
 @torch.compiler.disable
@@ -283,24 +297,6 @@ def fold_root(T: int, block: int = 16) -> bool:
     without the fold: 16.5 / 27.1 us at 17 nodes, 43.7 / 45.2 at 33, 74.3 / 91.2 at 65, but 77.6 /
     61.5 at 64 (no block saved; results/verify-prologue-h200.json)."""
     return T > 1 and (T - 1) % block == 0
-
-
-def _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, precision, tiles, block, root):
-    mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
-    kb, ub, cb = out
-    root = fold_root(T, block) if root is None else bool(root)
-    BV, warps = tiles or blocked_tiles(T - root, dv)
-    kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
-    with _on_device_of(S0):
-        kern[(H, triton.cdiv(dv, BV))](
-            q, k, v, g, beta, S0, mask, o, kb, ub, cb,
-            *strides, o.stride(0), o.stride(1),
-            kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            T=T, DK=dk, DV=dv, BT=_tile(T), SB=block, BK=_tile(dk), BV=BV,
-            NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=warps,
-            PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)), ROOT=int(root),
-        )
-    return o
 
 
 @torch.compiler.disable  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
