@@ -340,6 +340,15 @@ def _attn_fwd_kernel(
         tl.store(ws_ml + NS * KVH * MP + r, l_i, mask=row_ok)
 
 
+def _merge_step(m_run, l_run, acc, m_s, l_s, a_s):
+    # One partial (m_s, l_s, a_s) into a row's running (m, l, acc), base-2 log-sum-exp.
+    m_new = tl.maximum(m_run, m_s)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_run - m_use)
+    beta = tl.exp2(m_s - m_use)
+    return m_new, l_run * alpha + l_s * beta, acc * alpha[:, None] + a_s * beta[:, None]
+
+
 def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
                        xo, xl, NX, s_xs, s_xh, s_xr, s_ls, s_lh, s_lr,
                        G: tl.constexpr, D: tl.constexpr, BMM: tl.constexpr):
@@ -360,23 +369,11 @@ def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
         m_s = tl.load(ws_ml + r, mask=row_ok, other=float("-inf"))
         l_s = tl.load(ws_ml + NSP * KVH * MP + r, mask=row_ok, other=0.0)
         a_s = tl.load(ws_acc + r[:, None] * D + od[None, :], mask=row_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        beta = tl.exp2(m_s - m_use)
-        l_run = l_run * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        m_run = m_new
+        m_run, l_run, acc = _merge_step(m_run, l_run, acc, m_s, l_s, a_s)
     for s in range(0, NX):
         m_s = tl.load(xl + s * s_ls + kvh * s_lh + om * s_lr, mask=row_ok, other=float("-inf")) * 1.4426950408889634
         a_s = tl.load(xo + s * s_xs + kvh * s_xh + om[:, None] * s_xr + od[None, :], mask=row_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        beta = tl.exp2(m_s - m_use)
-        l_run = l_run * alpha + beta
-        acc = acc * alpha[:, None] + a_s.to(tl.float32) * beta[:, None]
-        m_run = m_new
+        m_run, l_run, acc = _merge_step(m_run, l_run, acc, m_s, 1.0, a_s.to(tl.float32))
     t = om // G
     h = kvh * G + om % G
     out = acc / tl.where(row_ok, l_run, 1.0)[:, None]
@@ -394,13 +391,22 @@ _FUSED_PREFIX_FAILED: set = set()  # (device, dtype, D) where cuDNN refused the 
 _CUDNN_Q_STRIDE0: dict = {}  # device -> whether cuDNN took the query block broadcast over the ranges
 
 
+def _ranges(cache, S: int, C: int):
+    """S ranges of C rows from row 0 of a cache [N, KVH, D] as a batch of views: [S, KVH, C, D]."""
+    return cache[:S * C].view(S, C, cache.shape[1], cache.shape[2]).permute(0, 2, 1, 3)
+
+
+def fold_rows(q, kv_heads: int):
+    """q [T, H, D] -> [KVH, T * G, D], row m = t * G + g: each KV head's query block (the kernel's row order)."""
+    T, H, D = q.shape
+    return q.view(T, kv_heads, H // kv_heads, D).permute(1, 0, 2, 3).reshape(kv_heads, T * (H // kv_heads), D)
+
+
 def fused_prefix_reference(qf, k_cache, v_cache, S: int, C: int, scale: float):
     """Twin of the fused prefix: qf [KVH, rows, D] over S ranges of C keys from row 0 of k_cache,
     v_cache [N, KVH, D], each unmasked. -> (o [S, KVH, rows, D] normalized, lse [S, KVH, rows]
     natural log), fp32."""
-    KVH, rows, D = qf.shape
-    k4 = k_cache[:S * C].view(S, C, KVH, D).permute(0, 2, 1, 3).float()  # [S, KVH, C, D]
-    v4 = v_cache[:S * C].view(S, C, KVH, D).permute(0, 2, 1, 3).float()
+    k4, v4 = _ranges(k_cache, S, C).float(), _ranges(v_cache, S, C).float()  # [S, KVH, C, D]
     sc = torch.einsum("hrd,shcd->shrc", qf.float(), k4) * scale
     lse = torch.logsumexp(sc, -1)
     return torch.einsum("shrc,shcd->shrd", (sc - lse[..., None]).exp(), v4), lse
@@ -410,10 +416,8 @@ def _fused_prefix_cudnn(qf, k_cache, v_cache, S: int, C: int, scale: float):
     """The same through cuDNN's fused attention (SDPA's cuDNN backend) in one batched call: the S
     ranges are a batch of strided views of the cache (no copy), the query block broadcast over
     them. -> (o [S, KVH, rows, D] in q's dtype, lse [S, KVH, rows(, 1)] fp32)."""
-    KVH, rows, D = qf.shape
-    k4 = k_cache[:S * C].view(S, C, KVH, D).permute(0, 2, 1, 3)  # [S, KVH, C, D]
-    v4 = v_cache[:S * C].view(S, C, KVH, D).permute(0, 2, 1, 3)
-    q4 = qf[None].expand(S, KVH, rows, D)
+    k4, v4 = _ranges(k_cache, S, C), _ranges(v_cache, S, C)  # [S, KVH, C, D]
+    q4 = qf[None].expand(S, *qf.shape)
     if not _CUDNN_Q_STRIDE0.get(qf.device, True):
         q4 = q4.contiguous()
     call = torch.ops.aten._scaled_dot_product_cudnn_attention
@@ -440,7 +444,6 @@ def _fused_prefix(q, k_cache, v_cache, floor: int, fused: str, window, sc_nat: f
     T, H, D = q.shape
     KVH = k_cache.shape[1]
     rows = T * (H // KVH)
-    key = (q.device, q.dtype, D)
     if fused == "off" or floor <= 0 or window is not None or rows < FUSED_MIN_ROWS:
         return None
     if fused == "auto" and not _cudnn_prefix_ok(q, D):
@@ -448,16 +451,14 @@ def _fused_prefix(q, k_cache, v_cache, floor: int, fused: str, window, sc_nat: f
     S, C = fused_prefix_plan(floor, rows, KVH, _sm_count(q.device))
     if not S:
         return None
-    qf = q.view(T, KVH, H // KVH, D).permute(1, 0, 2, 3).reshape(KVH, rows, D)  # row m = t * G + g
+    qf = fold_rows(q, KVH)
     if fused == "torch":
-        o, lse = fused_prefix_reference(qf, k_cache, v_cache, S, C, sc_nat)
-        return S * C, o, lse
+        return (S * C, *fused_prefix_reference(qf, k_cache, v_cache, S, C, sc_nat))
     try:
-        o, lse = _fused_prefix_cudnn(qf, k_cache, v_cache, S, C, sc_nat)
+        return (S * C, *_fused_prefix_cudnn(qf, k_cache, v_cache, S, C, sc_nat))
     except RuntimeError:  # cuDNN not built for / not usable on this GPU or shape: the kernel alone
-        _FUSED_PREFIX_FAILED.add(key)
+        _FUSED_PREFIX_FAILED.add((q.device, q.dtype, D))
         return None
-    return S * C, o, lse
 
 
 def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=None, window=None, scale=None,
@@ -687,5 +688,6 @@ def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str 
 
 
 if triton is not None:
+    _merge_step = triton.jit(_merge_step)  # a device function of the merge kernel
     _kernel(_attn_fwd_kernel, interpret=False)
     _kernel(_attn_merge_kernel, interpret=False)

@@ -84,6 +84,7 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
     runs = triton_util.triton is not None and (dev.type == "cuda" or (options.triton_on_cpu and triton_util.interpreter_on()))
     tri = options.triton and runs
     a = triton_util.Arch.from_props(props) if props is not None else triton_util.arch(dev)
+    attention = _attention(options, tri)
     return Kernels(
         triton=tri,
         walk=tri and options.triton_walk,
@@ -92,10 +93,10 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
         tree_precision=triton_util.dot_precision(options.tree_precision, a),
         tree_prologue=options.tree_prologue if tri else 0,
         tree_blocked=TREE_BLOCKED_MAX_NODES if tri and options.tree_kernel != "off" else 0,
-        attention=_attention(options, tri),
+        attention=attention,
         fla=options.fla and dev.type == "cuda",
         prefill_attention=options.prefill_attention if dev.type == "cuda" else "auto",
-        fused_prefix=_fused_prefix(options, dev, a) and _attention(options, tri) == "kernel",
+        fused_prefix=attention == "kernel" and _fused_prefix(options, dev, a),
     )
 
 
