@@ -382,8 +382,12 @@ def tree_attention_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T
     queries, their copy per range, each range's output and log-sum-exp (split_rule.fused_prefix_plan)."""
     rows = T * (q_heads // kv_heads)
     n = fused_prefix_plan(S, rows, kv_heads, sms)[0] if rows >= FUSED_MIN_ROWS else 0
-    fused = kv_heads * rows * head_dim * dt * (1 + 2 * n) + n * kv_heads * rows * F32
-    return max(_split_workspace(kv_heads, head_dim, rows, S, sms, bm), kv_heads * rows * (head_dim + 2) * F32) + fused
+    split = _split_workspace(kv_heads, head_dim, rows, S, sms, bm)
+    if not n:
+        return split
+    # the kernel then always writes partials (at least one range) and cuDNN's own come beside them
+    partials = max(split, kv_heads * rows * (head_dim + 2) * F32)
+    return partials + kv_heads * rows * head_dim * dt * (1 + 2 * n) + n * kv_heads * rows * F32
 
 
 def sdpa_workspace_bytes(q_heads: int, kv_heads: int, head_dim: int, T: int, S: int, dtype, path: str) -> int:
