@@ -9,8 +9,10 @@
   cuDNN batches: `batch` (fixed ranges of a host-known length), `ragged` (ranges from cumulative
   lengths computed on the device, the form a CUDA graph can replay at any context), and `gqa`
   (the same batches with the 24 query heads given natively); each against the split-KV Triton
-  kernel over the same prefix, with the error against an fp32 twin. In `ragged`, a graph captured
-  at one context is replayed at another and checked.
+  kernel's whole attention, with the error against an fp32 twin; and `tree_attention` itself with a
+  floor 300 keys under the context (the engine's path: the fused prefix, the kernel's rest and
+  tree, one merge) against the fp32 dense twin. In `ragged`, a graph captured at one context is
+  replayed at another and checked.
 
 Timings: CUDA events around replays of a CUDA graph calling the op once per cache layer (layers
 rotated so L2 does not hold the next call's K/V); medians. A compact table is printed last and
@@ -69,12 +71,6 @@ def ref_prefix(q, k, v, start):
     return F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)[0].transpose(0, 1)
 
 
-def fold(q):
-    """[T, H, D] -> [KVH, T * G, D], row m = t * G + g (the kernel's order)."""
-    T = q.shape[0]
-    return q.view(T, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH, T * G, D)
-
-
 def unfold(o, T):
     """[KVH, T * G, D] -> [T, H, D]."""
     return o.reshape(KVH, T, G, D).permute(1, 0, 2, 3).reshape(T, H, D)
@@ -89,17 +85,8 @@ def merge(o, lse):
 
 # ----------------------------------------------------------------------------- the cuDNN forms
 def cudnn_batch(qf, k, v, B, S):
-    """prefix [0, B) in S fixed ranges of B // S keys as cuDNN batches (B % S == 0)."""
-    C = B // S
-    k4 = k[:B].view(S, C, KVH, D).permute(0, 2, 1, 3)  # [S, KVH, C, D], no copy
-    v4 = v[:B].view(S, C, KVH, D).permute(0, 2, 1, 3)
-    q4 = qf[None].expand(S, -1, -1, -1)
-    try:
-        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False, False,
-                                                                    scale=SCALE)[:2]
-    except RuntimeError:
-        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4.contiguous(), k4, v4, None, True, 0.0, False,
-                                                                    False, scale=SCALE)[:2]
+    """prefix [0, B) in S fixed ranges of B // S keys as cuDNN batches: the library's call."""
+    o, lse = A._fused_prefix_cudnn(qf, k, v, S, B // S, SCALE)
     return o, lse.reshape(S, KVH, -1)
 
 
@@ -159,7 +146,7 @@ def part_cudnn(args, bw):
                 rec(**base, impl="all", error=f"alloc: {e}")
                 continue
             q = torch.randn(T, H, D, device=DEV, dtype=DT)
-            qf = fold(q).contiguous()
+            qf = A.fold_rows(q, KVH)
             st = torch.tensor(ctx, device=DEV)
             ref = ref_prefix(q, cache.k[0], cache.v[0], ctx)
             flops = 4 * H * D * T * ctx
@@ -176,6 +163,12 @@ def part_cudnn(args, bw):
                 ms, mode = BA.time_per_call(lambda i: A.tree_attention(q, cache.k[i], cache.v[i], st, tmask, kv_len,
                                                                        out=out[i]), L, target_s=0.15)
                 report("triton(verify)", ms, mode, None)
+                floor = ctx - 300
+                ms, mode = BA.time_per_call(lambda i: A.tree_attention(q, cache.k[i], cache.v[i], st, tmask, kv_len,
+                                                                       out=out[i], floor=floor), L, target_s=0.15)
+                want = A.tree_attention_reference(q.float(), cache.k[0].float(), cache.v[0].float(), st, tmask, kv_len)
+                report(f"tree_attention(floor={floor})", ms, mode, BA.rel_err(out[0], want),
+                       S=A.fused_prefix_plan(floor, rows, KVH, torch.cuda.get_device_properties(DEV).multi_processor_count)[0])
             except Exception as e:
                 log(f"triton FAILED {type(e).__name__}: {str(e)[:300]}")
             for S in args.S:
@@ -264,7 +257,10 @@ def main():
     ap.add_argument("--forms", nargs="+", default=["ragged", "batch", "gqa"])
     ap.add_argument("--budget-s", type=float, default=400.0)
     args = ap.parse_args()
-    bw = 4200.0
+    from bench_engine import copy_bandwidth  # bytes read + written per second
+
+    bw = copy_bandwidth() / 1e9
+    log(f"copy bandwidth {bw:.0f} GB/s")
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name(DEV)}")
     parts = args.parts.split(",")
     try:
