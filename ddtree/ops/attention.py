@@ -387,7 +387,9 @@ def _workspace(numel: int, device: torch.device) -> torch.Tensor:
 
 
 FUSED_BACKENDS = ("auto", "torch", "off")
-_FUSED_PREFIX_FAILED: set = set()  # (device, dtype, D) where cuDNN refused the fused prefix: auto skips it
+# (backend, device, dtype, D) where a library kernel refused: auto skips it there. Backends: the
+# prefill's "cudnn" / "flash", the verify's fused prefix "verify-cudnn".
+_FUSED_FAILED: set = set()
 _CUDNN_Q_STRIDE0: dict = {}  # device -> whether cuDNN took the query block broadcast over the ranges
 
 
@@ -435,7 +437,7 @@ def _fused_prefix_cudnn(qf, k_cache, v_cache, S: int, C: int, scale: float):
 def _cudnn_prefix_ok(q, D: int) -> bool:
     """Whether cuDNN's attention may take this call's prefix (CUDA, 16-bit, head dim <= 256, not refused before)."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and D <= 256 and D % 8 == 0
-            and (q.device, q.dtype, D) not in _FUSED_PREFIX_FAILED)
+            and ("verify-cudnn", q.device, q.dtype, D) not in _FUSED_FAILED)
 
 
 def _fused_prefix(q, k_cache, v_cache, floor: int, fused: str, window, sc_nat: float):
@@ -457,7 +459,7 @@ def _fused_prefix(q, k_cache, v_cache, floor: int, fused: str, window, sc_nat: f
     try:
         return (S * C, *_fused_prefix_cudnn(qf, k_cache, v_cache, S, C, sc_nat))
     except RuntimeError:  # cuDNN not built for / not usable on this GPU or shape: the kernel alone
-        _FUSED_PREFIX_FAILED.add((q.device, q.dtype, D))
+        _FUSED_FAILED.add(("verify-cudnn", q.device, q.dtype, D))
         return None
 
 
@@ -565,7 +567,6 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
 
 # ----------------------------------------------------------------------------- prefill
 PREFILL_BACKENDS = ("auto", "flash", "cudnn", "triton", "efficient", "math")
-_FUSED_FAILED: set = set()  # (backend, device, dtype, D) where cudnn / flash refused: auto skips it
 
 
 def _sdpa_backend(name):
