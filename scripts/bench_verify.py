@@ -115,7 +115,8 @@ def random_parents(T: int, seed: int) -> list[int]:
                    for i in range(1, T)]
 
 
-def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save, core_only: bool = False) -> None:
+def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save, core_only: bool = False,
+              mats_warps: tuple[int, ...] = ()) -> None:
     """A row per tree size, appended to `rows`; save() after each (a stopped run keeps what it measured).
     core_only: only the recurrence alone (tree_wy, the kernel, the blocked kernel per tile)."""
     model = gdn_layer(tc)
@@ -177,7 +178,20 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
                                                                        root=False)),
                          ("blocked root", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec,
                                                                             root=True)),
+                         ("serial", lambda: gdn_tree.gdn_tree_blocked_serial(q, k, v, g, beta, S0, mask, scratch, prec,
+                                                                             root=False)),
+                         ("serial root", lambda: gdn_tree.gdn_tree_blocked_serial(q, k, v, g, beta, S0, mask, scratch,
+                                                                                  prec, root=True)),
                          ("blocked prologue", blocked_prologue),
+                         *((f"blocked{' root' if r else ''} mats w{w}", lambda w=w, r=r: gdn_tree.gdn_tree_blocked(
+                             q, k, v, g, beta, S0, mask, scratch, prec, root=r, mats_warps=w))
+                           for w in mats_warps for r in (False, True)),
+                         *((f"head{' root' if r else ''}", lambda r=r: gdn_tree.gdn_tree_blocked(
+                             q, k, v, g, beta, S0, mask, scratch, prec, root=r, mats="head"))
+                           for r in (False, True)),
+                         *((f"inverse{' root' if r else ''} BV{t[0]} w{t[1]}", lambda t=t, r=r: gdn_tree.gdn_tree_blocked(
+                             q, k, v, g, beta, S0, mask, scratch, prec, root=r, mats="head", block=64, tiles=t))
+                           for t in ((32, 4), (32, 8), (16, 4), (64, 4), (64, 8)) for r in (False, True)),
                          *((f"blocked{' root' if r else ''} BV{t[0]} w{t[1]}", lambda t=t, r=r: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, tiles=t, root=r))
                            for t in tiles for r in (False, True))):
@@ -207,6 +221,8 @@ def main():
                     help="comma-separated: gemms, gdn (whole-layer paths and the tile sweep), core (the recurrence alone)")
     ap.add_argument("--tiles", nargs="*", default=["16,4", "32,4", "32,8", "64,8", "16,8"],
                     help="BV,WARPS pairs of the one-kernel paths to sweep")
+    ap.add_argument("--mats-warps", type=int, nargs="*", default=[],
+                    help="warps of gdn_tree_blocked's first pass to sweep (core)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -237,7 +253,7 @@ def main():
     for part in ("gdn", "core"):
         if part in parts:
             bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],
-                      out.setdefault(part, []), save, core_only=part == "core")
+                      out.setdefault(part, []), save, core_only=part == "core", mats_warps=tuple(a.mats_warps))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, tl, triton
 from ddtree.ops.triton_util import tile as _tile
 
 MAX_NODES = 128  # one program holds a whole tree: [T, T] tiles
+MATS_WARPS = 4  # gdn_tree_blocked's first pass
 
 
 def max_nodes(a: Arch | None) -> int:
@@ -243,13 +244,224 @@ def _gdn_tree_blocked_kernel(
         tl.debug_barrier()  # block b's U is read back by every later block
 
 
+def _gdn_tree_mats_kernel(
+    q, k, g, beta, mask, wm, pm, kbuf, cbuf,
+    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
+    T: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
+):
+    # The blocked recurrence's first pass: everything that does not depend on the values, one
+    # program per (block b of SB nodes, value head). Row block b of the per-head [T, T] matrices:
+    # wm[b, c] = A[b, c] (c < b; A[i, j] = beta_i e^(c_i - c_j) k_i.k_j, j a strict ancestor of i)
+    # and wm[b, b] = (I + A[b, b])^-1 (squarings, as _gdn_tree_kernel); pm[b, c] = e^(c_i - c_j)
+    # q_i.k_j over ancestors and the node itself (c <= b). Also the commit scratch's k and c rows.
+    # Blocks above the diagonal are never written nor read.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    f32 = tl.float32
+    oa = tl.arange(0, BT)  # every node: the path mask's columns
+    ma = oa < T
+    g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
+    os_ = tl.arange(0, SB)
+    ok = tl.arange(0, BK)
+    mk = ok < DK
+    rb = ROOT + b * SB + os_
+    mb = rb < T
+    on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
+    c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # [SB]: summed log-decay along each path
+    tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb)
+    mbk = mb[:, None] & mk[None, :]
+    Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
+    tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk)
+    Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
+    bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
+    base = h * T * T
+    for c in range(b):  # the earlier blocks: through the ancestor mask
+        rc = ROOT + c * SB + os_
+        on_c = tl.load(mask + rc[:, None] * T + oa[None, :], mask=ma[None, :], other=0) != 0
+        c_c = tl.sum(tl.where(on_c, g_all[None, :], 0.0), 1)
+        on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
+        dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
+        Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
+        at = base + rb[:, None] * T + rc[None, :]
+        tl.store(wm + at, bb[:, None] * dec * tl.dot(Kb, tl.trans(Kc), input_precision=PREC), mask=mb[:, None])
+        tl.store(pm + at, dec * tl.dot(Qb, tl.trans(Kc), input_precision=PREC), mask=mb[:, None])
+    on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
+    dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
+    A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
+    E = tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
+    for _ in tl.static_range(NSQ):
+        A = tl.dot(A, A, input_precision=PREC)
+        E += tl.dot(A, E, input_precision=PREC)
+    at = base + rb[:, None] * T + rb[None, :]
+    mbb = mb[:, None] & mb[None, :]
+    tl.store(wm + at, E, mask=mbb)
+    tl.store(pm + at, dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC), mask=mbb)
+
+
+def _gdn_tree_mats_head_kernel(
+    q, k, g, beta, mask, wm, pm, kbuf, cbuf,
+    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
+    T: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
+):
+    # _gdn_tree_mats_kernel's matrices for a whole head in one program: [BN, BN] tiles over the
+    # nodes after the root (BN >= 64: the tile products are warp-group MMAs on Hopper, and no
+    # operand is replicated across warps), every block's solve at once as squarings of the
+    # block-diagonal part.
+    h = tl.program_id(0)
+    f32 = tl.float32
+    oa = tl.arange(0, BT)
+    ma = oa < T
+    g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
+    on = tl.arange(0, BN)
+    r = ROOT + on
+    mr = r < T
+    ok = tl.arange(0, BK)
+    mk = ok < DK
+    on_r = tl.load(mask + r[:, None] * T + oa[None, :], mask=mr[:, None] & ma[None, :], other=0) != 0  # [BN, BT]
+    c = tl.sum(tl.where(on_r, g_all[None, :], 0.0), 1)  # [BN]
+    tl.store(cbuf + h * s_cbh + r, c, mask=mr)
+    mrk = mr[:, None] & mk[None, :]
+    K = tl.load(k + r[:, None] * s_kt + h * s_kh + ok[None, :], mask=mrk, other=0.0).to(f32)  # [BN, BK]
+    tl.store(kbuf + h * s_kbh + r[:, None] * s_kbt + ok[None, :], K, mask=mrk)
+    bb = tl.load(beta + r * s_bt + h * s_bh, mask=mr, other=0.0).to(f32)
+    mrr = mr[:, None] & mr[None, :]
+    on_rr = tl.load(mask + r[:, None] * T + r[None, :], mask=mrr, other=0) != 0  # [BN, BN]
+    dec = tl.exp(tl.where(on_rr, c[:, None] - c[None, :], float("-inf")))  # masked before exp
+    A = tl.where(on[None, :] < on[:, None], bb[:, None] * dec * tl.dot(K, tl.trans(K), input_precision=PREC), 0.0)
+    Q = tl.load(q + r[:, None] * s_qt + h * s_qh + ok[None, :], mask=mrk, other=0.0).to(f32)
+    at = h * T * T + r[:, None] * T + r[None, :]
+    tl.store(pm + at, dec * tl.dot(Q, tl.trans(K), input_precision=PREC), mask=mrr)
+    same = (on[:, None] // SB) == (on[None, :] // SB)  # the diagonal blocks
+    Ad = tl.where(same, A, 0.0)
+    E = tl.where(on[:, None] == on[None, :], 1.0, 0.0) - Ad
+    for _ in tl.static_range(NSQ):
+        Ad = tl.dot(Ad, Ad, input_precision=PREC)
+        E += tl.dot(Ad, E, input_precision=PREC)
+    tl.store(wm + at, tl.where(same, E, A), mask=mrr)
+
+
+def _gdn_tree_solve_kernel(
+    q, k, v, g, beta, S0, wm, pm, o, kbuf, ubuf, cbuf,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
+    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SB: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
+):
+    # The blocked recurrence's second pass, one program per (value head, block of BV value
+    # channels), the blocks in order (ancestors come first): U[b] = wm[b, b] (R[b] - sum_c<b
+    # wm[b, c] U[c]), R[b] = beta (v - e^c k S), U[c] read back from the scratch this program
+    # wrote; o[b] = e^c q S + sum_c<=b pm[b, c] U[c]. Two tile products a block and two per
+    # earlier block: the solves and the masks are the first pass's, done for every block at once.
+    # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
+    # first, S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative
+    # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks.
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    first = vb == 0
+    f32 = tl.float32
+    NB: tl.constexpr = (T - ROOT + SB - 1) // SB
+    os_ = tl.arange(0, SB)
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    mk, mv = ok < DK, ov < DV
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    c0 = 0.0
+    if ROOT:
+        c0 = tl.load(g + h * s_gh).to(f32)
+        e0 = tl.exp(c0)
+        k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)  # [BK]
+        q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)
+        v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
+        b0 = tl.load(beta + h * s_bh).to(f32)
+        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
+        o0 = e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0
+        tl.store(o + h * s_oh + ov, o0, mask=mv)
+        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
+        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
+        tl.store(cbuf + h * s_cbh, c0, mask=first)
+        S = e0 * S + k0[:, None] * u0[None, :]
+    base = h * T * T
+    for b in range(NB):
+        rb = ROOT + b * SB + os_
+        mb = rb < T
+        mbk = mb[:, None] & mk[None, :]
+        mbv = mb[:, None] & mv[None, :]
+        c_b = tl.load(cbuf + h * s_cbh + rb, mask=mb, other=0.0)  # the first pass's
+        Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
+        Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
+        Vb = tl.load(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], mask=mbv, other=0.0).to(f32)  # [SB, BV]
+        bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
+        ec = tl.exp(c_b - c0)  # (ROOT: against S', the root's decay taken out)
+        R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
+        O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
+        for c in range(b):  # the earlier blocks' solved U
+            rc = ROOT + c * SB + os_
+            Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
+            at = base + rb[:, None] * T + rc[None, :]
+            R -= tl.dot(tl.load(wm + at, mask=mb[:, None], other=0.0), Uc, input_precision=PREC)
+            O += tl.dot(tl.load(pm + at, mask=mb[:, None], other=0.0), Uc, input_precision=PREC)
+        at = base + rb[:, None] * T + rb[None, :]
+        mbb = mb[:, None] & mb[None, :]
+        U = tl.dot(tl.load(wm + at, mask=mbb, other=0.0), R, input_precision=PREC)
+        O += tl.dot(tl.load(pm + at, mask=mbb, other=0.0), U, input_precision=PREC)
+        tl.store(o + rb[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mbv)
+        tl.store(ubuf + h * s_ubh + rb[:, None] * s_ubt + ov[None, :], U, mask=mbv)
+        tl.debug_barrier()  # block b's U is read back by every later block
+
+
 @torch.compiler.disable
 def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, block: int = 16,
-                     root: bool | None = None):
-    """gdn_tree by blocks of `block` nodes (_gdn_tree_blocked_kernel), for the trees the one-tile
-    kernel does not take (ddtree.ops.dispatch). Shapes and `out` as gdn_tree; tiles (BV, warps)
-    instead of blocked_tiles'. root: node 0 is an ancestor of every node (true of every verify
-    tree; not checked), folded into the state first; None: where that saves a block (fold_root)."""
+                     root: bool | None = None, mats_warps: int = 0, mats: str = "block"):
+    """gdn_tree by blocks of `block` nodes, for the trees the one-tile kernel does not take
+    (ddtree.ops.dispatch), in two passes: _gdn_tree_mats_kernel (every block's masks, cross
+    terms and solve at once, a program per block and head) then _gdn_tree_solve_kernel (the
+    blocks in order). Shapes and `out` as gdn_tree; tiles (BV, warps) of the second pass instead
+    of blocked_tiles', mats_warps the first's instead of MATS_WARPS. root: node 0 is an ancestor of every node (true of every verify tree; not
+    checked), folded into the state first; None: where that saves a block (fold_root)."""
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    strides = _input_strides(q, k, v, g, beta)
+    mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
+    kb, ub, cb = out
+    root = fold_root(T, block) if root is None else bool(root)
+    BV, warps = tiles or blocked_tiles(T - root, dv)
+    prec = triton_util.dot_precision(precision, triton_util.arch(S0.device))
+    wm, pm = (torch.empty(H, T, T, dtype=torch.float32, device=S0.device) for _ in range(2))  # [H, T, T]
+    first = _kernel(_gdn_tree_mats_kernel, interpret=not S0.is_cuda)
+    solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
+    with _on_device_of(S0):
+        nsq = max(0, (min(T - root, block) - 1).bit_length() - 1)
+        if T > root and mats == "head":
+            head = _kernel(_gdn_tree_mats_head_kernel, interpret=not S0.is_cuda)
+            head[(H,)](
+                q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:],
+                kb.stride(0), kb.stride(1), cb.stride(0),
+                T=T, DK=dk, BT=_tile(T), BN=max(64, _tile(T - root)), SB=block, BK=_tile(dk),
+                NSQ=nsq, PREC=prec, ROOT=int(root), num_warps=mats_warps or MATS_WARPS,
+            )
+        elif T > root:
+            first[(triton.cdiv(T - root, block), H)](
+                q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:],
+                kb.stride(0), kb.stride(1), cb.stride(0),
+                T=T, DK=dk, BT=_tile(T), SB=block, BK=_tile(dk),
+                NSQ=nsq, PREC=prec, ROOT=int(root), num_warps=mats_warps or MATS_WARPS,
+            )
+        solve[(H, triton.cdiv(dv, BV))](
+            q, k, v, g, beta, S0, wm, pm, o, kb, ub, cb,
+            *strides, o.stride(0), o.stride(1),
+            kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
+            T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), num_warps=warps,
+        )
+    return o
+
+
+@torch.compiler.disable
+def gdn_tree_blocked_serial(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, block: int = 16,
+                            root: bool | None = None):
+    """gdn_tree_blocked in one pass (_gdn_tree_blocked_kernel: every block's masks and solve in
+    the ordered loop). Arguments as gdn_tree_blocked."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     strides = _input_strides(q, k, v, g, beta)
@@ -390,4 +602,7 @@ if triton is not None:
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_blocked_kernel, interpret=False)
+    _kernel(_gdn_tree_mats_kernel, interpret=False)
+    _kernel(_gdn_tree_mats_head_kernel, interpret=False)
+    _kernel(_gdn_tree_solve_kernel, interpret=False)
     _kernel(_gdn_prologue_kernel, interpret=False)

@@ -145,6 +145,12 @@ TREE_KERNELS = {
     "gdn_tree": lambda *a: gdn_tree.gdn_tree(*a),
     "gdn_tree_blocked": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=False),
     "gdn_tree_blocked_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=True),
+    "gdn_tree_blocked_head": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=False, mats="head"),
+    "gdn_tree_blocked_head_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=True, mats="head"),
+    "gdn_tree_inverse": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=False, mats="head", block=64),
+    "gdn_tree_inverse_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=True, mats="head", block=64),
+    "gdn_tree_blocked_serial": lambda *a: gdn_tree.gdn_tree_blocked_serial(*a, root=False),
+    "gdn_tree_blocked_serial_root": lambda *a: gdn_tree.gdn_tree_blocked_serial(*a, root=True),
 }
 
 
