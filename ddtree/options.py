@@ -9,7 +9,7 @@ package reads the environment for these.
     compile          DDTREE_NO_COMPILE=1      on        layers through torch.compile (graphed rounds; a layer split)
     triton           DDTREE_NO_TRITON=1       on        the Triton kernels (GDN step and tree verify, commits, tree build, walk)
     triton_walk      DDTREE_TORCH_WALK=1      on        the walk in one Triton kernel (off: its torch twin)
-    tree_kernel      DDTREE_TRITON_TREE       auto      tree verify's GDN recurrence in one kernel: auto (small tiles in one, larger trees by 16-node blocks), on (one up to 128 nodes; 64 on sm_86), off
+    tree_kernel      DDTREE_TRITON_TREE       auto      tree verify's GDN recurrence in one kernel: auto (small tiles in one, larger trees by blocks), on (one up to 128 nodes; 64 on sm_86), off
     tree_precision   DDTREE_TREE_PRECISION    tf32x3    that kernel's tile products: tf32x3 (fp32-grade on tensor cores) or ieee
     tree_prologue    DDTREE_TREE_PROLOGUE     65        the GDN prologue in Triton for trees of up to N nodes: inside the one-tile tree kernel, or one kernel ahead of the blocked one (0: off)
     attention        DDTREE_ATTENTION         auto      tree / decode attention: auto (the split-KV kernel where it runs), kernel, sdpa (dense-mask twin)
@@ -72,7 +72,7 @@ class Options:
                            _off_when_set, default=True)
     triton_walk: bool = _switch("DDTREE_TORCH_WALK", "the walk in one Triton kernel (off: its torch twin)",
                                 _off_when_set, default=True)
-    tree_kernel: str = _switch("DDTREE_TRITON_TREE", "tree verify's GDN recurrence in one kernel: auto, on, off (16-node blocks past it unless off)",
+    tree_kernel: str = _switch("DDTREE_TRITON_TREE", "tree verify's GDN recurrence in one kernel: auto, on, off (by blocks past it unless off)",
                                _choice("auto", "on", "off", alias={"1": "on", "0": "off"}), default="auto")
     tree_precision: str = _switch("DDTREE_TREE_PRECISION", "the tree kernel's tile products: tf32x3 or ieee",
                                   _choice("tf32x3", "ieee"), default="tf32x3")

@@ -9,10 +9,10 @@
    cuBLAS path), and the one-kernel paths at each (BV, warps) of --tiles, each with its error
    against tree_wy's output;
 3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree and
-   gdn_tree_blocked (16-node blocks; `root`: with the root folded into the state first) at their
-   default tiles, the latter also at each of --tiles; and `blocked prologue` (the engine's path
-   past one tile: gdn_tree.gdn_prologue from the projection, then gdn_tree_blocked; less the
-   projection's time).
+   gdn_tree_blocked (`blocked`: its rule's block, root and tiles; `blocked<B>`: blocks of B nodes
+   of --blocks, `root`: with the root folded into the state first, at its tiles and at each of
+   --tiles); and `blocked prologue` (the engine's path past one tile: gdn_tree.gdn_prologue from
+   the projection, then gdn_tree_blocked; less the projection's time).
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -116,9 +116,9 @@ def random_parents(T: int, seed: int) -> list[int]:
 
 
 def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save, core_only: bool = False,
-              mats_warps: tuple[int, ...] = ()) -> None:
+              blocks: tuple[int, ...] = ()) -> None:
     """A row per tree size, appended to `rows`; save() after each (a stopped run keeps what it measured).
-    core_only: only the recurrence alone (tree_wy, the kernel, the blocked kernel per tile)."""
+    core_only: only the recurrence alone (tree_wy, the kernel, the blocked kernel per block and tile)."""
     model = gdn_layer(tc)
     layer = model.layers[0].linear_attn
     base = resolve(Options(), DEV)
@@ -170,31 +170,18 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
                 print(f"    {key}: " + (f"{sweep[key]['ms'] * 1e3:.1f} us, err {sweep[key]['err']:.1e}"
                                         if "ms" in sweep[key] else sweep[key]["error"]), flush=True)
         row["sweep"] = sweep
-        # the recurrence alone, from ready q / k / v / g / beta: tree_wy, the kernel, the kernel by 16-node blocks
+        # the recurrence alone, from ready q / k / v / g / beta: tree_wy, the kernel, the blocked kernel
         core = {}
         for name, fn in (("wy", lambda: gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)[0]),
                          ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
-                         ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec,
-                                                                       root=False)),
-                         ("blocked root", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec,
-                                                                            root=True)),
-                         ("serial", lambda: gdn_tree.gdn_tree_blocked_serial(q, k, v, g, beta, S0, mask, scratch, prec,
-                                                                             root=False)),
-                         ("serial root", lambda: gdn_tree.gdn_tree_blocked_serial(q, k, v, g, beta, S0, mask, scratch,
-                                                                                  prec, root=True)),
+                         ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked prologue", blocked_prologue),
-                         *((f"blocked{' root' if r else ''} mats w{w}", lambda w=w, r=r: gdn_tree.gdn_tree_blocked(
-                             q, k, v, g, beta, S0, mask, scratch, prec, root=r, mats_warps=w))
-                           for w in mats_warps for r in (False, True)),
-                         *((f"head{' root' if r else ''}", lambda r=r: gdn_tree.gdn_tree_blocked(
-                             q, k, v, g, beta, S0, mask, scratch, prec, root=r, mats="head"))
-                           for r in (False, True)),
-                         *((f"inverse{' root' if r else ''} BV{t[0]} w{t[1]}", lambda t=t, r=r: gdn_tree.gdn_tree_blocked(
-                             q, k, v, g, beta, S0, mask, scratch, prec, root=r, mats="head", block=64, tiles=t))
-                           for t in ((32, 4), (32, 8), (16, 4), (64, 4), (64, 8)) for r in (False, True)),
-                         *((f"blocked{' root' if r else ''} BV{t[0]} w{t[1]}", lambda t=t, r=r: gdn_tree.gdn_tree_blocked(
-                             q, k, v, g, beta, S0, mask, scratch, prec, tiles=t, root=r))
-                           for t in tiles for r in (False, True))):
+                         *((f"blocked{b} root" if r else f"blocked{b}", lambda b=b, r=r: gdn_tree.gdn_tree_blocked(
+                             q, k, v, g, beta, S0, mask, scratch, prec, block=b, root=r))
+                           for b in blocks for r in (False, True)),
+                         *((f"blocked{b}{' root' if r else ''} BV{t[0]} w{t[1]}", lambda b=b, t=t, r=r: gdn_tree.gdn_tree_blocked(
+                             q, k, v, g, beta, S0, mask, scratch, prec, tiles=t, block=b, root=r))
+                           for b in blocks for t in tiles for r in (False, True))):
             try:
                 core[name] = dict(ms=graph_ms(fn) - (proj_ms if fn is blocked_prologue else 0.0), err=err(fn()))
             except Exception as e:  # a tile past the shared memory: noted, not fatal
@@ -221,8 +208,9 @@ def main():
                     help="comma-separated: gemms, gdn (whole-layer paths and the tile sweep), core (the recurrence alone)")
     ap.add_argument("--tiles", nargs="*", default=["16,4", "32,4", "32,8", "64,8", "16,8"],
                     help="BV,WARPS pairs of the one-kernel paths to sweep")
-    ap.add_argument("--mats-warps", type=int, nargs="*", default=[],
-                    help="warps of gdn_tree_blocked's first pass to sweep (core)")
+    ap.add_argument("--blocks", type=int, nargs="*", default=[16, 64],
+                    help="gdn_tree_blocked's block sizes to time besides its rule's (core), with and without the root "
+                         "folded, at its tiles and at each of --tiles")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -253,7 +241,7 @@ def main():
     for part in ("gdn", "core"):
         if part in parts:
             bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],
-                      out.setdefault(part, []), save, core_only=part == "core", mats_warps=tuple(a.mats_warps))
+                      out.setdefault(part, []), save, core_only=part == "core", blocks=tuple(a.blocks))
 
 
 if __name__ == "__main__":

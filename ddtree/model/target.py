@@ -200,7 +200,7 @@ class GatedDeltaNet(nn.Module):
         scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
         if kn.tree(T, self.dk):  # one kernel per layer (small trees; ddtree.ops.dispatch)
             o = gdn_tree.gdn_tree(q, k, v, g, beta, self.rec_state, s.path_mask, scratch, kn.tree_precision)
-        elif kn.blocked(T, self.dk):  # larger trees: the same kernel by 16-node blocks
+        elif kn.blocked(T, self.dk):  # larger trees: by blocks, in two passes
             o = gdn_tree.gdn_tree_blocked(q, k, v, g, beta, self.rec_state, s.path_mask, scratch, kn.tree_precision)
         else:
             o, _ = gdn.tree_wy(q, k, v, g, beta, self.rec_state, s.path_mask, out=scratch)
@@ -210,7 +210,7 @@ class GatedDeltaNet(nn.Module):
     def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         """A tree's verify with the prologue in Triton (twin: the qkvgb path of forward): inside
         the one-tile tree kernel (gdn_tree.gdn_tree_prologue), or for larger trees one kernel
-        (gdn_tree.gdn_prologue) ahead of the 16-node blocks (gdn_tree_blocked)."""
+        (gdn_tree.gdn_prologue) ahead of the blocked recurrence (gdn_tree_blocked)."""
         T, kn = x.shape[0], s.kernels
         proj, ext = self.project(x)
         z = proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]

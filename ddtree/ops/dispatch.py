@@ -27,14 +27,17 @@ from ddtree.options import Options
 # is not higher there.
 TREE_MAX_NODES = {"auto": 32, "on": 128, "off": 0}
 TREE_TILE = 2048
-# Past those sizes (and up to this many nodes) the recurrence runs by 16-node blocks
-# (gdn_tree.gdn_tree_blocked; tree_kernel auto or on) instead of tree_wy, the root folded into the
-# state first where that saves a block (gdn_tree.fold_root): the H200 measured the recurrence
-# alone at dk 128 in 16.5 / 43.7 / 61.5 / 74.3 us at 17 / 33 / 64 / 65 nodes against tree_wy's
-# 75 / 91 / 112 / 133 (scripts/bench_verify.py --parts core, results/verify-prologue-h200.json),
-# and the ddtree-64 round (65 nodes) at 23.07 ms against 24.26 on the compiled tree_wy
-# (results/engine-long-h200.json). Without the fold, 65 nodes (5 blocks) had lost 2.4 ms a round
-# (results/engine-blocked65-h200.log); past 65 nodes the blocks are unmeasured in the engine.
+# Past those sizes (and up to this many nodes) the recurrence runs by blocks
+# (gdn_tree.gdn_tree_blocked; tree_kernel auto or on) instead of tree_wy: the value-free matrices
+# first (a program per 16-node block, or on Hopper past 33 nodes per head, one 64-node block
+# inverted whole), then the blocks in order, the root folded into the state first where that
+# saves a block (gdn_tree.block_nodes, fold_root). The H200 measured the recurrence alone at dk 128
+# in 17.0 / 28.9 / 36.2 us at 17 / 33 / 64 nodes against tree_wy's 73 / 90 / 112
+# (scripts/bench_verify.py --parts core, results/verify-core-2pass-h200.json); the one-pass kernel
+# before it (16-node blocks solved in order) took 16.7 / 43.3 / 62.3 there and 74.3 at 65 nodes,
+# whose ddtree-64 round (23.07 ms) beat the compiled tree_wy's (24.26; results/engine-long-h200.json).
+# Without the fold, 65 nodes (5 blocks) had lost 2.4 ms a round (results/engine-blocked65-h200.log);
+# past 65 nodes the blocks are unmeasured in the engine.
 TREE_BLOCKED_MAX_NODES = 65
 # The one-tile kernel takes the prologue inside up to this many nodes: with tree_kernel=on, 65 to
 # 128 nodes at the 27B's dk 128 would need 288 KB of shared memory on sm_90 with tf32x3, past any

@@ -1,14 +1,14 @@
-"""A tree verify's Gated DeltaNet recurrence in one Triton kernel per layer (twin: `gdn.tree_wy`).
+"""A tree verify's Gated DeltaNet recurrence in Triton (twin: `gdn.tree_wy`).
 
 `gdn.tree_wy`'s math (path-summed log-decays, the q/k reads against the state, the
 unit-lower-triangular solve over ancestors, the output) in one kernel instead of ~14 (batched
 GEMMs, a triangular solve, pointwise): on a small model every launch counts. One program per
 (value head, block of value channels): the solve is column-wise, so the blocks are independent.
 `gdn_tree_prologue` also computes the layer's prologue (tree convolution + SiLU, q/k norms, head
-repeat, gates) from the projection. `gdn_tree_blocked` takes larger trees by 16-node blocks, so
-that only [16, *] tiles live at once, with the root folded into the state first where that saves
-a block; its prologue is one kernel ahead of it, `gdn_prologue` (inside, it spilled: the blocked
-kernel already uses every register).
+repeat, gates) from the projection. `gdn_tree_blocked` takes larger trees in two passes: first
+what does not depend on the values (the masks, the cross terms between blocks, each block's
+inverse), in parallel over blocks or heads; then the blocks in order, two tile products each and
+two per earlier block. Its prologue is one kernel ahead of it, `gdn_prologue`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, tl, triton
 from ddtree.ops.triton_util import tile as _tile
 
 MAX_NODES = 128  # one program holds a whole tree: [T, T] tiles
-MATS_WARPS = 4  # gdn_tree_blocked's first pass
+HEAD_BLOCK = 64  # gdn_tree_blocked's blocks of this many nodes or more: the first pass a program per head
 
 
 def max_nodes(a: Arch | None) -> int:
@@ -161,87 +161,6 @@ def _gdn_prologue_kernel(
     tl.store(v + r[:, None] * s_vt + h * s_vh + ov[None, :], V, mask=mr[:, None] & mv[None, :])
     tl.store(g + r * s_gt + h, gg, mask=mr)
     tl.store(beta + r * s_gt + h, bb, mask=mr)
-
-
-def _gdn_tree_blocked_kernel(
-    q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
-    s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
-    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
-):
-    # _gdn_tree_kernel's math by blocks of SB nodes, in order (ancestors come first): block b's
-    # right-hand side loses A[b, c] @ U[c] for every earlier block c (U[c] read back from the
-    # scratch this program wrote), then its own unit-lower-triangular block is solved by squarings
-    # of an [SB, SB] tile. Only [SB, *] tiles live at once, whatever T is.
-    # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
-    # first, S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative
-    # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks.
-    h = tl.program_id(0)
-    vb = tl.program_id(1)
-    first = vb == 0
-    f32 = tl.float32
-    NB: tl.constexpr = (T - ROOT + SB - 1) // SB
-    oa = tl.arange(0, BT)  # every node: the path mask's columns
-    ma = oa < T
-    g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
-    os_ = tl.arange(0, SB)
-    ok = tl.arange(0, BK)
-    ov = vb * BV + tl.arange(0, BV)
-    mk, mv = ok < DK, ov < DV
-    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    c0 = 0.0
-    if ROOT:
-        c0 = tl.load(g + h * s_gh).to(f32)
-        e0 = tl.exp(c0)
-        k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)  # [BK]
-        q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)
-        v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
-        b0 = tl.load(beta + h * s_bh).to(f32)
-        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
-        o0 = e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0
-        tl.store(o + h * s_oh + ov, o0, mask=mv)
-        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
-        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
-        tl.store(cbuf + h * s_cbh, c0, mask=first)
-        S = e0 * S + k0[:, None] * u0[None, :]
-    for b in range(NB):
-        rb = ROOT + b * SB + os_
-        mb = rb < T
-        on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
-        c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # [SB]: summed log-decay along each path
-        tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb & first)
-        mbk = mb[:, None] & mk[None, :]
-        mbv = mb[:, None] & mv[None, :]
-        Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
-        tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk & first)
-        Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
-        Vb = tl.load(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], mask=mbv, other=0.0).to(f32)  # [SB, BV]
-        bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
-        ec = tl.exp(c_b - c0)  # (ROOT: against S', the root's decay taken out)
-        R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
-        O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
-        for c in range(b):  # the earlier blocks: their solved U, through the ancestor mask
-            rc = ROOT + c * SB + os_
-            on_c = tl.load(mask + rc[:, None] * T + oa[None, :], mask=ma[None, :], other=0) != 0
-            c_c = tl.sum(tl.where(on_c, g_all[None, :], 0.0), 1)
-            on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
-            dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))
-            Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
-            Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
-            R -= tl.dot(bb[:, None] * dec * tl.dot(Kb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
-            O += tl.dot(dec * tl.dot(Qb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
-        on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
-        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
-        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
-        U = R - tl.dot(A, R, input_precision=PREC)  # (I + A)^-1 R by squarings, as _gdn_tree_kernel
-        for _ in tl.static_range(NSQ):
-            A = tl.dot(A, A, input_precision=PREC)
-            U += tl.dot(A, U, input_precision=PREC)
-        O += tl.dot(dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC), U, input_precision=PREC)
-        tl.store(o + rb[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mbv)
-        tl.store(ubuf + h * s_ubh + rb[:, None] * s_ubt + ov[None, :], U, mask=mbv)
-        tl.debug_barrier()  # block b's U is read back by every later block
 
 
 def _gdn_tree_mats_kernel(
@@ -412,72 +331,43 @@ def _gdn_tree_solve_kernel(
 
 
 @torch.compiler.disable
-def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, block: int = 16,
-                     root: bool | None = None, mats_warps: int = 0, mats: str = "block"):
+def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None,
+                     block: int | None = None, root: bool | None = None):
     """gdn_tree by blocks of `block` nodes, for the trees the one-tile kernel does not take
-    (ddtree.ops.dispatch), in two passes: _gdn_tree_mats_kernel (every block's masks, cross
-    terms and solve at once, a program per block and head) then _gdn_tree_solve_kernel (the
-    blocks in order). Shapes and `out` as gdn_tree; tiles (BV, warps) of the second pass instead
-    of blocked_tiles', mats_warps the first's instead of MATS_WARPS. root: node 0 is an ancestor of every node (true of every verify tree; not
-    checked), folded into the state first; None: where that saves a block (fold_root)."""
+    (ddtree.ops.dispatch), in two passes: the matrices that do not depend on the values (the
+    masks, the cross terms, each block's inverse), then the blocks in order
+    (_gdn_tree_solve_kernel). The first pass is a program per 16-node block and head
+    (_gdn_tree_mats_kernel), or per head for blocks of 64 or more (_gdn_tree_mats_head_kernel:
+    warp-group MMAs). Shapes and `out` as gdn_tree. tiles: (BV, warps) of the second pass
+    instead of blocked_tiles'; block: None, block_nodes' rule; root: node 0 is an ancestor of
+    every node (true of every verify tree; not checked), folded into the state first; None:
+    where that saves a block (fold_root)."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     strides = _input_strides(q, k, v, g, beta)
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
+    block = block or block_nodes(T, triton_util.arch(S0.device))
     root = fold_root(T, block) if root is None else bool(root)
-    BV, warps = tiles or blocked_tiles(T - root, dv)
+    BV, warps = tiles or blocked_tiles(block, dv)
     prec = triton_util.dot_precision(precision, triton_util.arch(S0.device))
-    wm, pm = (torch.empty(H, T, T, dtype=torch.float32, device=S0.device) for _ in range(2))  # [H, T, T]
-    first = _kernel(_gdn_tree_mats_kernel, interpret=not S0.is_cuda)
+    wm, pm = (torch.empty(H, T, T, dtype=torch.float32, device=S0.device) for _ in range(2))  # [H, T, T] each
+    mat_args = (q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:], kb.stride(0), kb.stride(1), cb.stride(0))
+    consts = dict(T=T, DK=dk, BT=_tile(T), SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root),
+                  NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4)
     solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
-        nsq = max(0, (min(T - root, block) - 1).bit_length() - 1)
-        if T > root and mats == "head":
-            head = _kernel(_gdn_tree_mats_head_kernel, interpret=not S0.is_cuda)
-            head[(H,)](
-                q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:],
-                kb.stride(0), kb.stride(1), cb.stride(0),
-                T=T, DK=dk, BT=_tile(T), BN=max(64, _tile(T - root)), SB=block, BK=_tile(dk),
-                NSQ=nsq, PREC=prec, ROOT=int(root), num_warps=mats_warps or MATS_WARPS,
-            )
+        if T > root and block >= HEAD_BLOCK:
+            _kernel(_gdn_tree_mats_head_kernel, interpret=not S0.is_cuda)[(H,)](
+                *mat_args, BN=max(HEAD_BLOCK, _tile(T - root)), **consts)
         elif T > root:
-            first[(triton.cdiv(T - root, block), H)](
-                q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:],
-                kb.stride(0), kb.stride(1), cb.stride(0),
-                T=T, DK=dk, BT=_tile(T), SB=block, BK=_tile(dk),
-                NSQ=nsq, PREC=prec, ROOT=int(root), num_warps=mats_warps or MATS_WARPS,
-            )
+            _kernel(_gdn_tree_mats_kernel, interpret=not S0.is_cuda)[(triton.cdiv(T - root, block), H)](
+                *mat_args, **consts)
         solve[(H, triton.cdiv(dv, BV))](
             q, k, v, g, beta, S0, wm, pm, o, kb, ub, cb,
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), num_warps=warps,
-        )
-    return o
-
-
-@torch.compiler.disable
-def gdn_tree_blocked_serial(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, block: int = 16,
-                            root: bool | None = None):
-    """gdn_tree_blocked in one pass (_gdn_tree_blocked_kernel: every block's masks and solve in
-    the ordered loop). Arguments as gdn_tree_blocked."""
-    T, H, dk = q.shape
-    dv = v.shape[-1]
-    strides = _input_strides(q, k, v, g, beta)
-    mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
-    kb, ub, cb = out
-    root = fold_root(T, block) if root is None else bool(root)
-    BV, warps = tiles or blocked_tiles(T - root, dv)
-    kern = _kernel(_gdn_tree_blocked_kernel, interpret=not S0.is_cuda)
-    with _on_device_of(S0):
-        kern[(H, triton.cdiv(dv, BV))](
-            q, k, v, g, beta, S0, mask, o, kb, ub, cb,
-            *strides, o.stride(0), o.stride(1),
-            kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            T=T, DK=dk, DV=dv, BT=_tile(T), SB=block, BK=_tile(dk), BV=BV,
-            NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=warps,
-            PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)), ROOT=int(root),
         )
     return o
 
@@ -503,11 +393,23 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
     return q, k, v, g, beta
 
 
+def block_nodes(T: int, a: Arch | None = None) -> int:
+    """gdn_tree_blocked's block for a T-node tree on `a`: 16 nodes up to 33 (one or two blocks
+    after the root); past that, on Hopper (and the interpreter), one block of 64: the per-head
+    first pass inverts it whole on warp-group MMAs, and the second pass has no order to wait on.
+    An H200 measured, dk = dv = 128, the recurrence alone: 17 / 29 us at 17 / 33 nodes in 16-node
+    blocks against 25 / 33 in one, 36 us at 64 nodes in one against 54 in 16-node blocks and 62 in
+    the one-pass kernel before (results/verify-core-2pass-h200.json). Below Hopper, 16: without
+    warp-group MMAs the 64-node tiles' operands are copied to every warp, and ptxas spills 3.4 KB a
+    thread there (sm_86, tf32x3) against 1 KB in 16-node blocks."""
+    return 64 if T > 2 * 16 + 1 and (a is None or a.major >= 9) else 16
+
+
 def fold_root(T: int, block: int = 16) -> bool:
     """Fold a T-node tree's root into the state before the blocks? Only where that saves a block
-    (T = 16m + 1): the fold is one more step ahead of them. An H200 measured, dk = dv = 128, with /
-    without the fold: 16.5 / 27.1 us at 17 nodes, 43.7 / 45.2 at 33, 74.3 / 91.2 at 65, but 77.6 /
-    61.5 at 64 (no block saved; results/verify-prologue-h200.json)."""
+    (T = block m + 1): the fold is one more step ahead of them. An H200 measured, dk = dv = 128,
+    with / without the fold: 17.0 / 23.1 us at 17 nodes and 28.9 / 43.1 at 33 in 16-node blocks,
+    39.1 / 36.2 at 64 in one block (results/verify-core-2pass-h200.json)."""
     return T > 1 and (T - 1) % block == 0
 
 
@@ -543,14 +445,13 @@ def _prologue_args(layer, proj, ext, window) -> tuple:
             layer.hv // layer.hk, layer.hk * layer.dk, window.shape[1])
 
 
-def blocked_tiles(T: int, dv: int) -> tuple[int, int]:
-    """(BV, warps) of the blocked kernel for T nodes in blocks: 64 channels; 4 warps, but 8 for
-    three blocks. An H200 measured, dv 128, BV 64 with 4 / 8 warps: 26.8 / 29.9 us at 17 nodes, 24.8 /
-    31.1 at 32, 51.7 / 45.9 at 33, 61.6 / 68.8 at 64; BV 32 / 128 and 16 were slower
-    (results/verify-core-tiles-h200.json, verify-core-h200.json). With the root folded first (T
-    is then the nodes after it): 16.4 / 17.9 us at 17 nodes, 43.7 / 241 at 33, 74.4 / 91.2 at 65
-    (results/verify-root-h200.json)."""
-    return min(64, _tile(dv)), 8 if 32 < T <= 48 else 4
+def blocked_tiles(block: int, dv: int) -> tuple[int, int]:
+    """(BV, warps) of gdn_tree_blocked's second pass for blocks of `block` nodes: 64 value
+    channels for 16-node blocks, 32 for blocks of 64 (64 spilled there), 4 warps. An H200
+    measured, dv 128: 17.0 / 16.1 us at 17 nodes with 4 / 8 warps and BV 64; at 64 nodes in one
+    block 36.2 / 46.7 us with BV 32 and 4 / 8 warps, 37.6 / 40.7 with BV 64, 42.1 with BV 16
+    (results/verify-core-2pass-h200.json)."""
+    return min(64 if block < HEAD_BLOCK else 32, _tile(dv)), 4
 
 
 def launch_tiles(T: int, dv: int) -> tuple[int, int]:
@@ -601,7 +502,6 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 if triton is not None:
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
     _kernel(_gdn_tree_kernel, interpret=False)
-    _kernel(_gdn_tree_blocked_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
     _kernel(_gdn_tree_mats_head_kernel, interpret=False)
     _kernel(_gdn_tree_solve_kernel, interpret=False)

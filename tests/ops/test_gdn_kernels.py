@@ -143,25 +143,23 @@ def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, bud
 
 TREE_KERNELS = {
     "gdn_tree": lambda *a: gdn_tree.gdn_tree(*a),
-    "gdn_tree_blocked": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=False),
-    "gdn_tree_blocked_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=True),
-    "gdn_tree_blocked_head": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=False, mats="head"),
-    "gdn_tree_blocked_head_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=True, mats="head"),
-    "gdn_tree_inverse": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=False, mats="head", block=64),
-    "gdn_tree_inverse_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, root=True, mats="head", block=64),
-    "gdn_tree_blocked_serial": lambda *a: gdn_tree.gdn_tree_blocked_serial(*a, root=False),
-    "gdn_tree_blocked_serial_root": lambda *a: gdn_tree.gdn_tree_blocked_serial(*a, root=True),
+    "gdn_tree_blocked": lambda *a: gdn_tree.gdn_tree_blocked(*a),  # block_nodes' and fold_root's rules
+    "gdn_tree_blocked16": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=False),
+    "gdn_tree_blocked16_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=True),
+    "gdn_tree_blocked64": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=64, root=False),
+    "gdn_tree_blocked64_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=64, root=True),
 }
 
 
 @pytest.mark.parametrize("kernel", list(TREE_KERNELS))
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_tree_kernel_matches_tree_wy(cfg, kernel):
-    """The tree-verify kernel (whole tiles, by 16-node blocks, or by blocks after the root is
-    folded into the state) against gdn.tree_wy on random trees of 2..65 nodes rooted at node 0
-    (one block, a full one, two to five, the last partial or, with the root folded, 17 / 33 / 65
-    in whole blocks; 32: a chain across a block edge), with the strided q / k / v views the layer
-    passes: outputs and commit scratch."""
+    """The tree-verify kernel (whole tiles; by blocks of 16 or 64 nodes, the first pass per block
+    or per head, with or without the root folded into the state first) against gdn.tree_wy on
+    random trees of 2..65 nodes rooted at node 0 (one block, a full one, two to five, the last
+    partial or, with the root folded, 17 / 33 / 65 in whole blocks; 32: a chain across a block
+    edge; 65 in blocks of 64 without the fold: the per-head pass's cross terms), with the strided
+    q / k / v views the layer passes: outputs and commit scratch."""
     from ddtree.ops.tree import ancestor_mask_from_parents
 
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=1, device=DEV)

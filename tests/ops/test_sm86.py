@@ -303,11 +303,11 @@ def distinct(launches: list[Launch], cc: int) -> list[dict]:
 # arguments' alignment specialisation, which does move shared memory (the attention kernel:
 # 28 vs 32 KB for the same tiles).
 SCALARS = {"_tree_kernel": ("B", "K", "KBV", "D"), "_walk_kernel": ("T", "P", "PK"), "_gdn_tree_kernel": ("T",),
-           "_gdn_tree_mats_kernel": ("T",), "_gdn_tree_solve_kernel": ("T",),
+           "_gdn_tree_mats_kernel": ("T",), "_gdn_tree_mats_head_kernel": ("T",), "_gdn_tree_solve_kernel": ("T",),
            "_gdn_prologue_kernel": ("T",), "_kv_commit_kernel": ("P",)}
 EXHAUSTIVE = os.environ.get("DDTREE_SM86_ALL") == "1"
 KERNELS = {"_gdn_step_kernel": "gdn", "_gdn_tree_kernel": "gdn",
-           "_gdn_tree_mats_kernel": "gdn", "_gdn_tree_solve_kernel": "gdn",
+           "_gdn_tree_mats_kernel": "gdn", "_gdn_tree_mats_head_kernel": "gdn", "_gdn_tree_solve_kernel": "gdn",
            "_gdn_prologue_kernel": "gdn", "_gdn_commit_kernel": "gdn", "_conv_commit_kernel": "gdn", "_kv_commit_kernel": "kv", "_tree_kernel": "tree",
            "_walk_kernel": "walk", "_attn_fwd_kernel": "attention", "_attn_merge_kernel": "attention"}  # kernel -> the launches that make it
 MISSING = {"gdn": TARGET_MISSING, "attention": ATTENTION_MISSING}  # a family that cannot be recorded, and why
@@ -525,19 +525,28 @@ def test_prologue_sizes(props):
         assert not any(off.prologue(T, 128) for T in range(2, 130))
 
 
-def test_blocked_kernel_tiles(monkeypatch):
-    """gdn_tree_blocked's launches: the first pass (the blocks' solves by NSQ squarings), then the ordered pass with the root folded into the state
-    first where that saves a block (16m + 1 nodes), 64 value channels (or the whole dv below
-    that), 4 warps but 8 for three blocks (33..48 nodes in blocks)."""
-    for T, dk, dv, root, warps in ((17, 128, 128, 1, 4), (33, 128, 128, 1, 4), (34, 128, 128, 0, 8),
-                                   (48, 128, 128, 0, 8), (49, 128, 64, 1, 8), (64, 128, 128, 0, 4),
-                                   (65, 128, 128, 1, 4), (128, 64, 32, 0, 4)):
-        mats, solve = _tree_launches(monkeypatch, A6000, T, dk, dv, "tf32x3", gdn_tree.gdn_tree_blocked)
-        assert (mats.kwargs["SB"], mats.kwargs["BT"], mats.kwargs["NSQ"], mats.kwargs["ROOT"]) == (
-            16, max(16, 1 << (T - 1).bit_length()), 3, root), (T, dk, dv)
+@pytest.mark.parametrize("props", [H200, A6000], ids=["h200", "a6000"])
+def test_blocked_kernel_tiles(monkeypatch, props):
+    """gdn_tree_blocked's launches: 16-node blocks up to 33 nodes (everywhere past 33 below
+    Hopper), the first pass a program per block and head, 64 value channels; past that on Hopper
+    one block of 64 nodes, the first pass a program per head (64-node tiles: warp-group MMAs),
+    32 value channels; the root folded into the state first where that saves a block (16m + 1
+    nodes, or 65 in a block of 64); 4 warps."""
+    hopper = props is H200
+    for T, dk, dv in ((17, 128, 128), (32, 128, 128), (33, 128, 128), (34, 128, 128), (48, 128, 64), (64, 128, 128),
+                      (65, 128, 128), (128, 64, 32), (20, 64, 16)):
+        block = 64 if hopper and T > 33 else 16
+        root = int((T - 1) % block == 0)
+        bv = min(32 if block == 64 else 64, max(16, dv))
+        first, solve = _tree_launches(monkeypatch, props, T, dk, dv, "tf32x3", gdn_tree.gdn_tree_blocked)
+        want = "_gdn_tree_mats_head_kernel" if block == 64 else "_gdn_tree_mats_kernel"
+        assert first.fn.__name__ == want and solve.fn.__name__ == "_gdn_tree_solve_kernel", (T, first.fn.__name__)
+        nsq = (min(T - root, block) - 1).bit_length() - 1
+        assert (first.kwargs["SB"], first.kwargs["NSQ"], first.kwargs["ROOT"]) == (block, nsq, root), (T, dk, dv)
+        if block == 64:
+            assert first.kwargs["BN"] == max(64, 1 << (T - root - 1).bit_length())
         c = solve.kwargs
-        assert (c["SB"], c["BK"], c["BV"], c["ROOT"], c["num_warps"]) == (
-            16, dk, min(64, dv if dv >= 16 else 16), root, warps), (T, dk, dv)
+        assert (c["SB"], c["BK"], c["BV"], c["ROOT"], c["num_warps"]) == (block, dk, bv, root, 4), (T, dk, dv)
 
 
 def _tree_launches(monkeypatch, props, T: int, dk: int, dv: int, precision: str, launcher=None) -> list[Launch]:
