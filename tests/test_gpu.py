@@ -173,7 +173,7 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
 def test_tree_kernel_up_to_128_nodes_under_graphs_equals_torch_path():
     """The tree-verify kernels (tree_kernel=on: the one-tile kernel up to 128 nodes, or as many as
     fit the GPU's shared memory, 64 on sm_86, with and without the prologue; auto: one tile up to
-    32 nodes here, 16-node blocks past it: budgets 40 and 64, after the prologue kernel or the
+    32 nodes here, by blocks past it: budgets 40 and 64, after the prologue kernel or the
     torch prologue) on the GPU: compiled layers (the kernels run between
     compiled pieces) inside CUDA graphs give the torch path's greedy tokens for dflash and ddtree."""
     from ddtree.options import Options
