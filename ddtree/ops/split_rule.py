@@ -33,7 +33,11 @@ def num_splits(read_len: int, rows: int, kv_heads: int, bm: int, sms: int, per_s
 # tiles <= SMs), measured best (results/verify-paths-h200.json, 128K: 17 nodes S = 32 0.131 ms
 # against S = 16 0.183; 33 nodes S = 16 0.226 against S = 32 0.243).
 FUSED_TILE_ROWS = 128
-FUSED_MIN_ROWS = 1  # query rows per KV head (T * G) below which the split-KV kernel reads the whole prefix
+# Query rows per KV head (T * G) below which the split-KV kernel reads the whole prefix. An AR
+# step (6 rows) gains nothing: at 128K cuDNN's batched call takes its prefix in 0.128 ms a layer
+# against the kernel's 0.162, but the remainder's kernel and the merge give the whole call 0.163
+# (results/verify-paths-ar-h200.json).
+FUSED_MIN_ROWS = 64
 FUSED_MIN_KEYS = 16384  # a fused prefix shorter than this is left to the split-KV kernel
 FUSED_MIN_RANGE = 1024  # keys per range at least
 FUSED_ALIGN = 64  # range length multiple
