@@ -281,9 +281,10 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method,
 
 @pytest.mark.parametrize("prologue", [65, 0], ids=["prologue-kernel", "torch-prologue"])
 def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prologue):
-    """A 41-node tree (budget 40: past auto's one-tile sizes at this model's dk 8) verified by
-    16-node blocks in every GDN layer, after the prologue kernel or the torch prologue: greedy
-    tokens equal the torch path's, and the kernels were used."""
+    """A 41-node tree (budget 40: past auto's one-tile sizes at this model's dk 8) verified by the
+    blocked kernel in every GDN layer (on CPU, and on Hopper, one 64-node block; 16-node blocks
+    elsewhere), after the prologue kernel or the torch prologue: greedy tokens equal the torch
+    path's, and the kernels were used."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4)).tolist()
     calls, pro, real, real_pro = [], [], gdn_tree.gdn_tree_blocked, gdn_tree.gdn_prologue
     monkeypatch.setattr(gdn_tree, "gdn_tree_blocked", lambda *a: calls.append(a[0].shape[0]) or real(*a))  # spies
