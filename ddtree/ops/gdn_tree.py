@@ -70,6 +70,17 @@ def _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.con
     return Q, K, V
 
 
+def _squarings(A, X, NSQ: tl.constexpr, PREC: tl.constexpr):
+    """The squarings of a unit-lower-triangular solve: X = (I - A) B in, (I - A)(I + A^2)(I + A^4)
+    ...(I + A^(2^NSQ)) B out, which is (I + A)^-1 B where A is strictly lower triangular
+    (nilpotent) and 2^(NSQ+1) >= its order. NSQ squarings and NSQ products, all
+    tile dots (a loop over the nodes costs a barrier-bound step per node)."""
+    for _ in tl.static_range(NSQ):
+        A = tl.dot(A, A, input_precision=PREC)
+        X += tl.dot(A, X, input_precision=PREC)
+    return X
+
+
 def _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mrow):
     """The prologue's gates of value head h for nodes `rows`: g = -exp(A_log) softplus(a +
     dt_bias), beta = sigmoid(b), from the projection's b and a columns (b at zb + h, a at zb +
@@ -126,13 +137,8 @@ def _gdn_tree_kernel(
         Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
     O = ec[:, None] * tl.dot(Q, S, input_precision=PREC)
     Pm = decay * tl.dot(Q, tl.trans(K), input_precision=PREC)
-    # (I + A) U = B without a serial substitution: A is strictly lower triangular, so A^T = 0 and
-    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(2^(NSQ))), 2^(NSQ+1) >= T: NSQ squarings and
-    # NSQ + 1 products, all tile dots (a loop over the nodes costs a barrier-bound step per node).
-    U -= tl.dot(A, U, input_precision=PREC)
-    for _ in tl.static_range(NSQ):
-        A = tl.dot(A, A, input_precision=PREC)
-        U += tl.dot(A, U, input_precision=PREC)
+    # (I + A) U = B without a serial substitution: A is strictly lower triangular (_squarings)
+    U = _squarings(A, U - tl.dot(A, U, input_precision=PREC), NSQ, PREC)
     O += tl.dot(Pm, U, input_precision=PREC)
     tl.store(o + ot[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
     tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
@@ -208,10 +214,7 @@ def _gdn_tree_mats_kernel(
     on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
     dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
     A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
-    E = tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
-    for _ in tl.static_range(NSQ):
-        A = tl.dot(A, A, input_precision=PREC)
-        E += tl.dot(A, E, input_precision=PREC)
+    E = _squarings(A, tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A, NSQ, PREC)  # (I + A)^-1
     at = base + rb[:, None] * T + rb[None, :]
     mbb = mb[:, None] & mb[None, :]
     tl.store(wm + at, E, mask=mbb)
@@ -254,10 +257,7 @@ def _gdn_tree_mats_head_kernel(
     tl.store(pm + at, dec * tl.dot(Q, tl.trans(K), input_precision=PREC), mask=mrr)
     same = (on[:, None] // SB) == (on[None, :] // SB)  # the diagonal blocks
     Ad = tl.where(same, A, 0.0)
-    E = tl.where(on[:, None] == on[None, :], 1.0, 0.0) - Ad
-    for _ in tl.static_range(NSQ):
-        Ad = tl.dot(Ad, Ad, input_precision=PREC)
-        E += tl.dot(Ad, E, input_precision=PREC)
+    E = _squarings(Ad, tl.where(on[:, None] == on[None, :], 1.0, 0.0) - Ad, NSQ, PREC)  # each block's inverse
     tl.store(wm + at, tl.where(same, E, A), mask=mrr)
 
 
@@ -347,17 +347,18 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     strides = _input_strides(q, k, v, g, beta)
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
-    block = block or block_nodes(T, triton_util.arch(S0.device))
+    a = triton_util.arch(S0.device)
+    block = block or block_nodes(T, a)
     root = fold_root(T, block) if root is None else bool(root)
     BV, warps = tiles or blocked_tiles(block, dv)
-    prec = triton_util.dot_precision(precision, triton_util.arch(S0.device))
+    prec = triton_util.dot_precision(precision, a)
     wm, pm = (torch.empty(H, T, T, dtype=torch.float32, device=S0.device) for _ in range(2))  # [H, T, T] each
     mat_args = (q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:], kb.stride(0), kb.stride(1), cb.stride(0))
     consts = dict(T=T, DK=dk, BT=_tile(T), SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root),
                   NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4)
     solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
-        if T > root and block >= HEAD_BLOCK:
+        if T > root and block >= HEAD_BLOCK:  # (T == root: the root alone, nothing to solve)
             _kernel(_gdn_tree_mats_head_kernel, interpret=not S0.is_cuda)[(H,)](
                 *mat_args, BN=max(HEAD_BLOCK, _tile(T - root)), **consts)
         elif T > root:
@@ -501,6 +502,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 
 if triton is not None:
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
+    _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
     _kernel(_gdn_tree_mats_head_kernel, interpret=False)
