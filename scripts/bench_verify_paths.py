@@ -3,6 +3,9 @@
 * `--parts splits`: `tree_attention` at short reads (1K, 8K) for T = 16..65 nodes with the prefix
   split into 0, 2, 4, ... ranges, against the split rule's choice (what a short verify waits on
   is the longest program's walk over the prefix, not the bytes).
+* `--parts merge`: the split partials merged by the last split (one launch) or by a second
+  kernel, AR step and trees at 1K and 128K at the engine's bound, the AR step's tiles and split
+  counts at 128K, and its prefix through cuDNN.
 * `--parts cudnn`: the committed prefix of a verify at long reads (32K, 128K) through cuDNN's
   fused attention (SDPA's cuDNN backend), the tree's rows of each KV head as one query block
   (rows = T * G, the GQA group folded into the rows), the prefix cut into S ranges that run as
@@ -233,6 +236,66 @@ def part_cudnn(args, bw):
             torch.cuda.empty_cache()
 
 
+# ----------------------------------------------------------------------------- the merge
+MERGE_TILES = [A.Tiles(*t) for t in ((16, 32, 4, 4), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 4), (16, 32, 4, 5),
+                                     (16, 32, 4, 3), (16, 32, 4, 2), (16, 64, 4, 2))]
+
+
+def part_merge(args, bw):
+    """The split partials merged by the last split to finish (merge="last", one launch) against a
+    second kernel (merge="kernel"), at the engine's bound (kv_len the next power of two) and floor
+    (a few keys under the context: the fused prefix of the trees at long reads); at long reads the
+    AR step (T = 1) also over tiles x split counts (programs per SM) with the last-split merge, and
+    with its prefix through cuDNN (FUSED_MIN_ROWS lowered to 1 for it) under either merge."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    hopper = torch.cuda.get_device_capability(DEV)[0] >= 9
+    limit = A._smem_limit(DEV) - A._SMEM_RESERVE
+    for ctx in args.merge_ctx:
+        for T in args.merge_trees:
+            kv_len = pow2(ctx + T)
+            L = BA.layers_for(kv_len * KVH * D * 4)
+            base = dict(kind="merge", ctx=ctx, T=T, kv_len=kv_len, layers=L)
+            cache = BA.Cache(L, kv_len, KVH, D)
+            q = torch.randn(T, H, D, device=DEV, dtype=DT)
+            st = torch.tensor(ctx, device=DEV)
+            tm = BA.random_tree_mask(T, T).to(DEV)
+            want = A.tree_attention_reference(q.float(), cache.k[0].float(), cache.v[0].float(), st, tm, kv_len)
+            floor = ctx - T - 256 if ctx >= 16384 else 0  # the engine's: Decoder.start_floor just past a power of two
+            runs = [(m, dict(merge=m, floor=floor), None) for m in ("last", "kernel")]
+            if T == 1 and ctx >= 65536:
+                for tt in MERGE_TILES:
+                    if A._smem_estimate(tt, D, 2, hopper) > limit:
+                        continue
+                    per_sm = max(1, min(4, limit // A._smem_estimate(tt, D, 2, hopper)))
+                    for p in range(1, per_sm + 1):
+                        ns = A.num_splits(kv_len, 6, KVH, tt.bm, sms, p)
+                        runs.append((f"last[{tt.bm},{tt.bn},{tt.warps},{tt.stages}|{ns}]", dict(merge="last", tiles=tt, splits=ns), None))
+                for m in ("last", "kernel"):
+                    runs.append((f"cudnn+{m}", dict(merge=m, floor=floor), 1))
+            for name, kw, min_rows in runs:
+                saved = A.FUSED_MIN_ROWS
+                try:
+                    if min_rows is not None:
+                        A.FUSED_MIN_ROWS = min_rows
+                    out = torch.empty(L, T, H, D, device=DEV, dtype=DT)
+                    ms, mode = BA.time_per_call(lambda i: A.tree_attention(q, cache.k[i], cache.v[i], st, tm, kv_len,
+                                                                           out=out[i], **kw), L, target_s=0.12)
+                    A.tree_attention(q, cache.k[0], cache.v[0], st, tm, kv_len, out=out[0], **kw)
+                    err = BA.rel_err(out[0], want)
+                    gbps = ctx * KVH * D * 4 / (ms * 1e-3) / 1e9
+                    rec(**base, impl=name, ms=ms, mode=mode, rel_err=err, gbps=gbps, frac_copy_bw=gbps / bw,
+                        **{k: (vars(v) if isinstance(v, A.Tiles) else v) for k, v in kw.items()})
+                    log(f"merge ctx={ctx} T={T} {name}: {ms:.4f} ms, {gbps:.0f} GB/s ({gbps / bw:.0%} of copy), "
+                        f"err {err:.2e} ({mode})")
+                except Exception as e:
+                    log(f"merge ctx={ctx} T={T} {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                    rec(**base, impl=name, error=f"{type(e).__name__}: {e}")
+                finally:
+                    A.FUSED_MIN_ROWS = saved
+            del cache, want
+            torch.cuda.empty_cache()
+
+
 def table() -> str:
     lines = ["", "kind | ctx | T | impl | ms | note", "---|---|---|---|---|---"]
     for r in BA.RESULTS + ROWS:
@@ -255,6 +318,8 @@ def main():
     ap.add_argument("--trees-long", type=int, nargs="+", default=[33, 17, 65])
     ap.add_argument("--S", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--forms", nargs="+", default=["ragged", "batch", "gqa"])
+    ap.add_argument("--merge-ctx", type=int, nargs="+", default=[1024, 131072])
+    ap.add_argument("--merge-trees", type=int, nargs="+", default=[1, 16, 33, 65])
     ap.add_argument("--budget-s", type=float, default=400.0)
     args = ap.parse_args()
     from bench_engine import copy_bandwidth  # bytes read + written per second
@@ -268,6 +333,8 @@ def main():
             part_cudnn(args, bw)
         if "splits" in parts:
             part_splits(args, bw)
+        if "merge" in parts:
+            part_merge(args, bw)
     finally:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(DEV), torch=torch.__version__,

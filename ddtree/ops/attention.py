@@ -22,8 +22,10 @@ group. Grid (m-tiles, splits, KVH):
 * the last split (s = NS - 1) then also reads the tree keys start..start+T-1 under the ancestor
   mask: no program of its own, so the grid is exactly m-tiles x NS x KVH (a program more per
   (m-tile, KV head) would start a second, nearly empty wave).
-* each writes (acc, m, l) to a workspace [NS, KVH, M, D]; a second kernel merges the NS
-  partials of every row by log-sum-exp and writes o [T, H, D] in q's dtype.
+* each writes (acc, m, l) to a workspace [NS, KVH, M, D] and counts itself in on an arrival
+  counter of its (m-tile, KV head); the last to arrive merges the NS partials of its rows by
+  log-sum-exp and writes o [T, H, D] in q's dtype (merge="last": one launch a call; "kernel":
+  a second kernel merges instead).
 
 The fused prefix (`floor`, a host lower bound on start from the caller's graph key): on a long
 prefix the keys [0, B), B <= floor, run first through cuDNN's fused attention as S ranges in one
@@ -229,12 +231,15 @@ def _sm_count(device: torch.device) -> int:
 
 # ----------------------------------------------------------------------------- kernels
 def _attn_fwd_kernel(
-    q, kc, vc, start_ptr, tm, qpos, o, ws_acc, ws_ml,
+    q, kc, vc, start_ptr, tm, qpos, o, ws_acc, ws_ml, cnt,
     T, kv_len, W, LO, NS, qk_scale,  # qk_scale = scale * log2(e): the softmax runs in base 2; LO: first prefix key
     s_qt, s_qh, s_kn, s_kh, s_vn, s_vh, s_ot, s_oh,
+    xo, xl, NX, s_xs, s_xh, s_xr, s_ls, s_lh, s_lr,  # the fused prefix's partials (MERGE_LAST)
     G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     TREE: tl.constexpr,  # 0: tree_mask [T, T] int8; 1: causal (tril); 2: all visible
     WINDOW: tl.constexpr, TWO_SIDED: tl.constexpr, FUSED: tl.constexpr, IEEE: tl.constexpr,
+    MERGE_LAST: tl.constexpr,  # the last split of each (m-tile, KV head) to finish merges (cnt: arrivals)
+    FENCE: tl.constexpr,  # gpu-scope fences around the arrival (CUDA; the interpreter runs programs in turn)
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -338,6 +343,24 @@ def _attn_fwd_kernel(
         tl.store(ws_acc + r[:, None] * D + od[None, :], acc, mask=row_ok[:, None])
         tl.store(ws_ml + r, m_i, mask=row_ok)
         tl.store(ws_ml + NS * KVH * MP + r, l_i, mask=row_ok)
+        if MERGE_LAST:
+            # Flash-decoding without a second launch: each split counts itself in; the last to
+            # arrive merges every split's partials of these rows, in split order (its own read back:
+            # the same sums whichever split is last, so the same o as merge="kernel", bit for bit),
+            # and the fused prefix's, writes o, and resets the counter for the next call.
+            # The threadfence-reduction pattern: every thread fences its stores, the block syncs,
+            # one atomic (acq_rel, gpu scope) arrives; the last block fences before reading.
+            if FENCE:
+                _fence_gpu(pid_m)
+            tl.debug_barrier()
+            c = cnt + pid_m * KVH + kvh
+            arrived = tl.atomic_add(c, 1, sem="acq_rel", scope="gpu")
+            if arrived == NS - 1:
+                if FENCE:
+                    _fence_gpu(pid_m)
+                tl.store(c, 0)
+                _merge_rows(om, kvh, KVH, MP, ws_acc, ws_ml, NS, o, s_ot, s_oh,
+                            xo, xl, NX, s_xs, s_xh, s_xr, s_ls, s_lh, s_lr, G, D, BM)
 
 
 def _merge_step(m_run, l_run, acc, m_s, l_s, a_s):
@@ -349,16 +372,18 @@ def _merge_step(m_run, l_run, acc, m_s, l_s, a_s):
     return m_new, l_run * alpha + l_s * beta, acc * alpha[:, None] + a_s * beta[:, None]
 
 
-def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
-                       xo, xl, NX, s_xs, s_xh, s_xr, s_ls, s_lh, s_lr,
-                       G: tl.constexpr, D: tl.constexpr, BMM: tl.constexpr):
-    # One program: BMM rows of one KV head; the NSP partials of each row merged by log-sum-exp,
-    # and the NX partials of the fused prefix (xo [NX, KVH, rows, D] normalized, xl its natural
-    # log-sum-exp: in base 2, m = xl * log2(e) and l = 1).
-    kvh = tl.program_id(1)
-    KVH = tl.num_programs(1)
-    MP = T * G
-    om = tl.program_id(0) * BMM + tl.arange(0, BMM)
+def _fence_gpu(x):
+    # fence.acq_rel.gpu in every thread (x: any int32 scalar, so that the asm has an operand)
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+def _merge_rows(om, kvh, KVH, MP, ws_acc, ws_ml, NSP, o, s_ot, s_oh,
+                xo, xl, NX, s_xs, s_xh, s_xr, s_ls, s_lh, s_lr, G: tl.constexpr, D: tl.constexpr, BMM: tl.constexpr):
+    # Rows om [BMM] of KV head kvh: the NSP split partials of the workspace, in split order, and the
+    # NX partials of the fused prefix (xo [NX, KVH, rows, D] normalized, xl its natural
+    # log-sum-exp: in base 2, m = xl * log2(e) and l = 1) merged by log-sum-exp; o written in its
+    # dtype. Workspace reads bypass L1 (.cg): other blocks wrote them.
     row_ok = om < MP
     od = tl.arange(0, D)
     m_run = tl.full([BMM], float("-inf"), tl.float32)
@@ -366,9 +391,9 @@ def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
     acc = tl.zeros([BMM, D], dtype=tl.float32)
     for s in range(0, NSP):
         r = (s * KVH + kvh).to(tl.int64) * MP + om
-        m_s = tl.load(ws_ml + r, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(ws_ml + NSP * KVH * MP + r, mask=row_ok, other=0.0)
-        a_s = tl.load(ws_acc + r[:, None] * D + od[None, :], mask=row_ok[:, None], other=0.0)
+        m_s = tl.load(ws_ml + r, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(ws_ml + NSP * KVH * MP + r, mask=row_ok, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(ws_acc + r[:, None] * D + od[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         m_run, l_run, acc = _merge_step(m_run, l_run, acc, m_s, l_s, a_s)
     for s in range(0, NX):
         m_s = tl.load(xl + s * s_ls + kvh * s_lh + om * s_lr, mask=row_ok, other=float("-inf")) * 1.4426950408889634
@@ -380,10 +405,38 @@ def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
     tl.store(o + t[:, None] * s_ot + h[:, None] * s_oh + od[None, :], out.to(o.dtype.element_ty), mask=row_ok[:, None])
 
 
+def _attn_merge_kernel(ws_acc, ws_ml, o, T, NSP, s_ot, s_oh,
+                       xo, xl, NX, s_xs, s_xh, s_xr, s_ls, s_lh, s_lr,
+                       G: tl.constexpr, D: tl.constexpr, BMM: tl.constexpr):
+    # The merge as a kernel of its own (merge="kernel"): one program per BMM rows of one KV head.
+    om = tl.program_id(0) * BMM + tl.arange(0, BMM)
+    _merge_rows(om, tl.program_id(1), tl.num_programs(1), T * G, ws_acc, ws_ml, NSP, o, s_ot, s_oh,
+                xo, xl, NX, s_xs, s_xh, s_xr, s_ls, s_lh, s_lr, G, D, BMM)
+
+
 # ----------------------------------------------------------------------------- the op
 def _workspace(numel: int, device: torch.device) -> torch.Tensor:
     """fp32 scratch for the partials (every element is written before it is read; tests poison it)."""
     return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+# The arrival counters of the merge by the last split (merge="last"): int32 zeros per device, one
+# per (m-tile, KV head), each reset by the program that merges. Shared by every call on the
+# device: calls on one device run in stream order (the engine's graphs and eager pieces alike).
+COUNTER_SLOTS = 1 << 14
+_COUNTERS: dict = {}
+MERGES = ("auto", "last", "kernel")
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The device's counters if they hold n slots, made on first use (not during a graph capture,
+    whose allocations would be the graph's: that call merges with the kernel)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return c if n <= c.numel() else None
 
 
 FUSED_BACKENDS = ("auto", "torch", "off")
@@ -465,7 +518,7 @@ def _fused_prefix(q, k_cache, v_cache, floor: int, fused: str, window, sc_nat: f
 
 def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=None, window=None, scale=None,
                    *, causal: bool = True, out=None, splits: int | None = None, tiles: Tiles | None = None,
-                   floor: int = 0, fused: str = "auto") -> torch.Tensor:
+                   floor: int = 0, fused: str = "auto", merge: str = "auto") -> torch.Tensor:
     """Attention of T new tokens over a KV cache: the committed prefix [0, start) unmasked plus
     the tokens' own keys (rows start..start+T-1, already written) under tree_mask.
 
@@ -486,8 +539,12 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     batched call (fused="auto", where it runs: about 1.6x the split-KV kernel's tensor-core rate
     at head dim 256 on an H200) or its torch twin (fused="torch", tests); the kernel reads
     [B, start) and the tree, and the merge takes both sets of partials. A start below floor
-    would read keys past it as prefix: the caller's bound must hold. -> o [T, H, D] in q's
-    dtype (fp32 accumulation)."""
+    would read keys past it as prefix: the caller's bound must hold.
+
+    merge: how split partials become o: "last" the last split of each (m-tile, KV head) to
+    finish merges them (one launch; arrival counters per device), "kernel" a second kernel,
+    "auto" last (kernel during a graph capture that would have to allocate the counters).
+    -> o [T, H, D] in q's dtype (fp32 accumulation)."""
     T, H, D = q.shape
     N, KVH, _ = k_cache.shape
     assert H % KVH == 0 and k_cache.shape == v_cache.shape and k_cache.shape[-1] == D
@@ -495,6 +552,7 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     assert T <= kv_len <= N, (T, kv_len, N)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert fused in FUSED_BACKENDS, fused
+    assert merge in MERGES, merge
     G = H // KVH
     dev = q.device
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -528,7 +586,7 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     key = (dev.index, D, q.dtype)
     todo = [tiles] if tiles is not None else [c for c in candidate_tiles(D, rows, q.dtype, dev, read_len) if (c, key) not in _BAD]
     kern = _kernel(_attn_fwd_kernel, interpret=not q.is_cuda)
-    merge = _kernel(_attn_merge_kernel, interpret=not q.is_cuda)
+    merge_kern = _kernel(_attn_merge_kernel, interpret=not q.is_cuda)
     err = None
     for tt in todo or [Tiles(16, 16, 4, 1)]:
         ns = num_splits(read_len, rows, KVH, tt.bm, _sm_count(dev)) if splits is None else int(splits)
@@ -537,24 +595,30 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
         ns = 0 if ns <= 1 else ns
         if pre is not None:
             ns = max(ns, 1)  # partials for the merge with the fused prefix's
+        cnt = None
         if ns:
             ws_acc = _workspace(ns * KVH * rows * D, dev)  # [NS, KVH, rows, D]
             ws_ml = _workspace(2 * ns * KVH * rows, dev)  # m then l: [2, NS, KVH, rows]
+            if merge != "kernel":
+                cnt = _counters(dev, _cdiv(rows, tt.bm) * KVH)
+                assert cnt is not None or merge == "auto", "merge='last': no counters (grid too large, or first use in a capture)"
         else:
             ws_acc = ws_ml = out  # unused
         try:
             with _on_device_of(q):
                 kern[(_cdiv(rows, tt.bm), max(ns, 1), KVH)](
                     q, k_cache, v_cache, start, tm, start if q_pos is None else q_pos, out, ws_acc, ws_ml,
+                    out if cnt is None else cnt,
                     T, kv_len, int(window or 0), lo, max(ns, 1), sc,
                     q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                    v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+                    v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), *x_args,
                     G=G, D=D, BM=tt.bm, BN=tt.bn, TREE=mode, WINDOW=window is not None, TWO_SIDED=not causal,
-                    FUSED=ns == 0, IEEE=q.dtype == torch.float32, num_warps=tt.warps, num_stages=tt.stages,
+                    FUSED=ns == 0, IEEE=q.dtype == torch.float32, MERGE_LAST=cnt is not None, FENCE=q.device.type != "cpu",
+                    num_warps=tt.warps, num_stages=tt.stages,
                 )
-                if ns:
+                if ns and cnt is None:
                     bmm = max(2, min(4096 // D, _pow2(rows)))
-                    merge[(_cdiv(rows, bmm), KVH)](ws_acc, ws_ml, out, T, ns, out.stride(0), out.stride(1), *x_args,
+                    merge_kern[(_cdiv(rows, bmm), KVH)](ws_acc, ws_ml, out, T, ns, out.stride(0), out.stride(1), *x_args,
                                                    G=G, D=D, BMM=bmm, num_warps=4)
             return out
         except Exception as e:  # a tile too big for this GPU's shared memory: the next one
@@ -689,6 +753,8 @@ def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str 
 
 
 if triton is not None:
-    _merge_step = triton.jit(_merge_step)  # a device function of the merge kernel
+    _merge_step = triton.jit(_merge_step)  # device functions of the kernels
+    _merge_rows = triton.jit(_merge_rows)
+    _fence_gpu = triton.jit(_fence_gpu)
     _kernel(_attn_fwd_kernel, interpret=False)
     _kernel(_attn_merge_kernel, interpret=False)

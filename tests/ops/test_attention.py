@@ -86,7 +86,7 @@ def poisoned(k, v, keep_lo: int, keep_hi: int):
 
 
 def check_tree(seed, T, H, KVH, D, start, kv_len, *, tree_mask=None, kind="bushy", splits=None, window=None,
-               causal=True, q_pos=None, what="", scale=None):
+               causal=True, q_pos=None, what="", scale=None, merge="auto"):
     """tree_attention against the twin on fresh inputs; cache rows it must not read are NaN."""
     g = torch.Generator().manual_seed(seed)
     N = kv_len + 5  # rows past kv_len exist (and are NaN): never read
@@ -101,7 +101,7 @@ def check_tree(seed, T, H, KVH, D, start, kv_len, *, tree_mask=None, kind="bushy
     tm = tree_mask if isinstance(tree_mask, str) else tree_mask.to(DEV)
     out = torch.full((T, H, D), float("nan"), device=DEV)
     got = A.tree_attention(q.to(DEV), kp.to(DEV), vp.to(DEV), st, tm, kv_len, q_pos=qp, window=window,
-                           scale=scale, causal=causal, out=out, splits=splits)
+                           scale=scale, causal=causal, out=out, splits=splits, merge=merge)
     assert got.data_ptr() == out.data_ptr()
     want = A.tree_attention_reference(q, k, v, torch.tensor(start), tree_mask, kv_len, q_pos=q_pos, window=window,
                                       causal=causal, scale=scale)
@@ -147,8 +147,13 @@ def test_random_trees_equal_twin(case):
     (104, 32, 8, 2, 64, 4000, 4100, 12),  # a long prefix, many splits
     (105, 16, 12, 2, 256, 40, 1024, 9),  # short prefix, long bucket: most splits empty
 ])
-def test_big_cases_equal_twin(seed, T, H, KVH, D, start, kv_len, splits):
-    check_tree(seed, T, H, KVH, D, start, kv_len, kind="bushy", splits=splits, what="tree big")
+@pytest.mark.parametrize("merge", ["last", "kernel"])
+def test_big_cases_equal_twin(seed, T, H, KVH, D, start, kv_len, splits, merge):
+    """Both merges of the split partials: by the last split to finish (its counters back at zero
+    after the call) and by a second kernel."""
+    check_tree(seed, T, H, KVH, D, start, kv_len, kind="bushy", splits=splits, what="tree big", merge=merge)
+    if merge == "last":
+        assert not A._COUNTERS[DEV].any(), "an arrival counter was left set: the next call would merge early"
 
 
 def test_splits_do_not_change_the_result():
@@ -314,7 +319,7 @@ def test_fused_prefix_equals_twin(small_fused_plan, monkeypatch, case):
     kp, vp = poisoned(k, v, 0, start + T)
     out = torch.full((T, H, D), float("nan"), device=DEV)
     got = A.tree_attention(q.to(DEV), kp.to(DEV), vp.to(DEV), torch.tensor(start, device=DEV), mask.to(DEV), kv_len,
-                           out=out, floor=floor, fused="torch")
+                           out=out, floor=floor, fused="torch", merge=("last", "kernel")[seed % 2])
     want = A.tree_attention_reference(q, k, v, torch.tensor(start), mask, kv_len)
     assert len(seen) == 1 and 0 < seen[0] <= floor, (seen, floor)
     ERR.note("fused prefix", assert_rel(got.cpu(), want, TOL, f"fused T={T} H={H} KVH={KVH} D={D} start={start} floor={floor}"))
@@ -424,6 +429,36 @@ def test_gpu_cuda_graph_replays_follow_start():
         graph.replay()
         want = A.tree_attention_reference(q.float(), k.float(), v.float(), st, mask, kv_len)
         assert_rel(out.float(), want, 2e-2, f"graph start={start}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T,floor", [(1, 0), (16, 0), (65, 0), (16, 30000), (65, 30000)])
+def test_gpu_merge_by_last_split(T, floor):
+    """The merge by the last split to arrive (any of them may be last) is the merge kernel's bit for
+    bit, on every one of 30 replays of a captured graph (a race would show as a difference or a
+    stale counter), with and without the fused prefix's partials; the counters end at zero."""
+    H, KVH, D, start, kv_len = 24, 4, 256, 32768, 65536
+    k, v = make_cache(11, kv_len, KVH, D, torch.bfloat16)
+    k, v = k.cuda(), v.cuda()
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    mask = ancestor_mask(random_parents(T, "bushy", torch.Generator().manual_seed(T))).cuda()
+    st = torch.tensor(start, device="cuda")
+    want = A.tree_attention(q, k, v, st, mask, kv_len, floor=floor, merge="kernel")
+    out = torch.empty_like(want)
+    A.tree_attention(q, k, v, st, mask, kv_len, out=out, floor=floor, merge="last")  # compile outside the capture
+    assert torch.equal(out, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        A.tree_attention(q, k, v, st, mask, kv_len, out=out, floor=floor, merge="last")
+    for _ in range(30):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    assert not A._COUNTERS[out.device].any()
+    ref = A.tree_attention_reference(q.float(), k.float(), v.float(), st, mask, kv_len)
+    assert_rel(out.float(), ref, 2e-2, f"merge last T={T} floor={floor}")
 
 
 @pytest.mark.gpu

@@ -182,14 +182,14 @@ def _walk_launches():
 
 def _attention_launches(tc: TargetConfig, dc: DrafterConfig, dtype=torch.bfloat16):
     """tree_attention as the verify (tree mask), a prefill chunk (causal) and the drafter's block
-    (its layers' causal / window settings) call it, the prefix split and not."""
+    (its layers' causal / window settings) call it, the prefix split (both merges) and not."""
     def call(H, KVH, D, T, mask, window=None, causal=True):
         q = torch.empty(T, H, D, dtype=dtype, device=META)
         kc = torch.empty(8192, KVH, D, dtype=dtype, device=META)
         start = torch.empty((), dtype=torch.long, device=META)
-        for splits in (0, 4):
+        for splits, merge in ((0, "auto"), (4, "last"), (4, "kernel")):  # unsplit; split, merged in-kernel / apart
             attention.tree_attention(q, kc, torch.empty_like(kc), start, mask, 8192, window=window, causal=causal,
-                                     splits=splits)
+                                     splits=splits, merge=merge)
 
     for T in TREES:  # the verify: rows = T x query heads per KV head pick the row tile
         call(tc.num_heads, tc.num_kv_heads, tc.head_dim, T, torch.empty(T, T, dtype=torch.bool, device=META))
