@@ -22,10 +22,10 @@ group. Grid (m-tiles, splits, KVH):
 * the last split (s = NS - 1) then also reads the tree keys start..start+T-1 under the ancestor
   mask: no program of its own, so the grid is exactly m-tiles x NS x KVH (a program more per
   (m-tile, KV head) would start a second, nearly empty wave).
-* each writes (acc, m, l) to a workspace [NS, KVH, M, D] and counts itself in on an arrival
-  counter of its (m-tile, KV head); the last to arrive merges the NS partials of its rows by
-  log-sum-exp and writes o [T, H, D] in q's dtype (merge="last": one launch a call; "kernel":
-  a second kernel merges instead).
+* each writes (acc, m, l) to a workspace [NS, KVH, M, D]; the partials of every row are merged
+  by log-sum-exp into o [T, H, D] in q's dtype, either by the last split of each (m-tile, KV
+  head) to finish (it counts arrivals on a per-device counter: one launch, for narrow m-tiles
+  such as an AR step's) or by a second kernel of 16-row programs (wide m-tiles, a tree's).
 
 The fused prefix (`floor`, a host lower bound on start from the caller's graph key): on a long
 prefix the keys [0, B), B <= floor, run first through cuDNN's fused attention as S ranges in one
@@ -159,8 +159,8 @@ _MID_TABLE = {  # a 33-node tree (198 rows): one 128-row tile (at 16.6K / 33K re
     ("hopper", 256): [(16, Tiles(16, 32, 4, 4)), (192, Tiles(64, 32, 4, 3)), (_ANY, Tiles(128, 32, 8, 3))],
 }
 LONG_READ_KEYS = 65536  # kv_len above this reads with _LONG_TABLE where it has the head dim
-_LONG_TABLE = {
-    ("hopper", 256): [(16, Tiles(16, 32, 4, 4)), (64, Tiles(64, 32, 4, 3)), (128, Tiles(128, 32, 8, 3)),
+_LONG_TABLE = {  # an AR step (6 rows) at 128K: 64-key tiles 0.141 ms a layer against 0.154 for 32 (results/verify-merge-h200.json)
+    ("hopper", 256): [(16, Tiles(16, 64, 4, 3)), (64, Tiles(64, 32, 4, 3)), (128, Tiles(128, 32, 8, 3)),
                       (192, Tiles(64, 32, 4, 3)), (_ANY, Tiles(128, 32, 8, 3))],
 }
 _FALLBACK = [Tiles(32, 32, 4, 2), Tiles(16, 32, 4, 2), Tiles(16, 32, 4, 1), Tiles(16, 16, 4, 1)]
@@ -542,8 +542,12 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     would read keys past it as prefix: the caller's bound must hold.
 
     merge: how split partials become o: "last" the last split of each (m-tile, KV head) to
-    finish merges them (one launch; arrival counters per device), "kernel" a second kernel,
-    "auto" last (kernel during a graph capture that would have to allocate the counters).
+    finish merges them (one launch; arrival counters per device), "kernel" a second kernel of
+    16-row programs, "auto" last where its m-tiles are no wider than the merge kernel's programs
+    (an AR step: one launch less, 0.157 against 0.164 ms a layer at 128K), else the kernel (a
+    tree's 64- or 128-row tiles merge serially: a 16-node verify at 1K 0.025 against 0.018 ms;
+    results/verify-merge-h200.json). Kernel, too, in a graph capture that would have to
+    allocate the counters.
     -> o [T, H, D] in q's dtype (fp32 accumulation)."""
     T, H, D = q.shape
     N, KVH, _ = k_cache.shape
@@ -599,7 +603,8 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
         if ns:
             ws_acc = _workspace(ns * KVH * rows * D, dev)  # [NS, KVH, rows, D]
             ws_ml = _workspace(2 * ns * KVH * rows, dev)  # m then l: [2, NS, KVH, rows]
-            if merge != "kernel":
+            bmm = max(2, min(4096 // D, _pow2(rows)))  # the merge kernel's rows a program
+            if merge == "last" or (merge == "auto" and _cdiv(rows, tt.bm) >= _cdiv(rows, bmm)):
                 cnt = _counters(dev, _cdiv(rows, tt.bm) * KVH)
                 assert cnt is not None or merge == "auto", "merge='last': no counters (grid too large, or first use in a capture)"
         else:
@@ -617,7 +622,6 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
                     num_warps=tt.warps, num_stages=tt.stages,
                 )
                 if ns and cnt is None:
-                    bmm = max(2, min(4096 // D, _pow2(rows)))
                     merge_kern[(_cdiv(rows, bmm), KVH)](ws_acc, ws_ml, out, T, ns, out.stride(0), out.stride(1), *x_args,
                                                    G=G, D=D, BMM=bmm, num_warps=4)
             return out

@@ -388,7 +388,7 @@ def test_gpu_32k_target_shapes(dtype, tol, T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("T", [16, 17, 33])
+@pytest.mark.parametrize("T", [1, 16, 17, 33])
 def test_gpu_long_read_tiles(T):
     """Past LONG_READ_KEYS (a 128K prefix) the long-read table's tiles, bf16, against the fp32 twin."""
     start = 131072
