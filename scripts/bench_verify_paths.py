@@ -6,6 +6,8 @@
 * `--parts merge`: the split partials merged by the last split (one launch) or by a second
   kernel, AR step and trees at 1K and 128K at the engine's bound, the AR step's tiles and split
   counts at 128K, and its prefix through cuDNN.
+* `--parts drafter`: the drafter's full layer (a 16-row block, 32 / 8 heads x 128) at 128K and
+  32K: tiles x split counts, and its prefix through cuDNN.
 * `--parts cudnn`: the committed prefix of a verify at long reads (32K, 128K) through cuDNN's
   fused attention (SDPA's cuDNN backend), the tree's rows of each KV head as one query block
   (rows = T * G, the GQA group folded into the rows), the prefix cut into S ranges that run as
@@ -296,6 +298,53 @@ def part_merge(args, bw):
             torch.cuda.empty_cache()
 
 
+DRAFT_TILES = [A.Tiles(*t) for t in ((64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2),
+                                     (64, 128, 8, 3), (64, 32, 4, 4), (32, 64, 4, 3))]
+
+
+def part_drafter(args, bw):
+    """The Qwen3.6-27B drafter's full (non-causal) layer over a long context: a block of 16 rows, 32
+    / 8 heads x 128, through the split-KV kernel (its rule; tiles x split counts) and with the
+    prefix through cuDNN (a floor a few keys under the context), at the engine's bound."""
+    Hd, KVHd, Dd, B = 32, 8, 128, 16
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    hopper = torch.cuda.get_device_capability(DEV)[0] >= 9
+    limit = A._smem_limit(DEV) - A._SMEM_RESERVE
+    for ctx in args.drafter_ctx:
+        kv_len = ctx + 2048 + B  # bench_engine's max_len caps the power of two
+        L = BA.layers_for(kv_len * KVHd * Dd * 4)
+        base = dict(kind="drafter-full", ctx=ctx, T=B, kv_len=kv_len, layers=L)
+        k = torch.randn(L, kv_len, KVHd, Dd, device=DEV, dtype=DT)
+        v = torch.randn(L, kv_len, KVHd, Dd, device=DEV, dtype=DT)
+        q = torch.randn(B, Hd, Dd, device=DEV, dtype=DT)
+        st = torch.tensor(ctx, device=DEV)
+        want = A.tree_attention_reference(q.float(), k[0].float(), v[0].float(), st, "full", kv_len, causal=False)
+        runs = [("rule", {})]
+        for tt in DRAFT_TILES:
+            if A._smem_estimate(tt, Dd, 2, hopper) > limit:
+                continue
+            for p in (1, 2):
+                ns = A.num_splits(kv_len, B * Hd // KVHd, KVHd, tt.bm, sms, p)
+                runs.append((f"[{tt.bm},{tt.bn},{tt.warps},{tt.stages}|{ns}]", dict(tiles=tt, splits=ns)))
+        runs.append(("cudnn", dict(floor=ctx - B - 256)))
+        for name, kw in runs:
+            try:
+                out = torch.empty(L, B, Hd, Dd, device=DEV, dtype=DT)
+                ms, mode = BA.time_per_call(lambda i: A.tree_attention(q, k[i], v[i], st, "full", kv_len, causal=False,
+                                                                       out=out[i], **kw), L, target_s=0.12)
+                A.tree_attention(q, k[0], v[0], st, "full", kv_len, causal=False, out=out[0], **kw)
+                err = BA.rel_err(out[0], want)
+                gbps = ctx * KVHd * Dd * 4 / (ms * 1e-3) / 1e9
+                rec(**base, impl=name, ms=ms, mode=mode, rel_err=err, gbps=gbps, frac_copy_bw=gbps / bw,
+                    **{kk: (vars(vv) if isinstance(vv, A.Tiles) else vv) for kk, vv in kw.items()})
+                log(f"drafter ctx={ctx} {name}: {ms:.4f} ms, {gbps:.0f} GB/s ({gbps / bw:.0%} of copy), err {err:.2e} ({mode})")
+            except Exception as e:
+                log(f"drafter ctx={ctx} {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                rec(**base, impl=name, error=f"{type(e).__name__}: {e}")
+        del k, v, want
+        torch.cuda.empty_cache()
+
+
 def table() -> str:
     lines = ["", "kind | ctx | T | impl | ms | note", "---|---|---|---|---|---"]
     for r in BA.RESULTS + ROWS:
@@ -320,6 +369,7 @@ def main():
     ap.add_argument("--forms", nargs="+", default=["ragged", "batch", "gqa"])
     ap.add_argument("--merge-ctx", type=int, nargs="+", default=[1024, 131072])
     ap.add_argument("--merge-trees", type=int, nargs="+", default=[1, 16, 33, 65])
+    ap.add_argument("--drafter-ctx", type=int, nargs="+", default=[131072, 32768])
     ap.add_argument("--budget-s", type=float, default=400.0)
     args = ap.parse_args()
     from bench_engine import copy_bandwidth  # bytes read + written per second
@@ -335,6 +385,8 @@ def main():
             part_splits(args, bw)
         if "merge" in parts:
             part_merge(args, bw)
+        if "drafter" in parts:
+            part_drafter(args, bw)
     finally:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(DEV), torch=torch.__version__,
