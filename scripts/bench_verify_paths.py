@@ -241,6 +241,52 @@ def part_cudnn(args, bw):
 # ----------------------------------------------------------------------------- the merge
 MERGE_TILES = [A.Tiles(*t) for t in ((16, 32, 4, 4), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 4), (16, 32, 4, 5),
                                      (16, 32, 4, 3), (16, 32, 4, 2), (16, 64, 4, 2))]
+DRAFT_TILES = [A.Tiles(*t) for t in ((64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2),
+                                     (64, 128, 8, 3), (64, 32, 4, 4), (32, 64, 4, 3))]
+
+
+def time_runs(base, runs, call, want, read_bytes, bw):
+    """Each run (name, kwargs, FUSED_MIN_ROWS for it or None): call(i, out, **kwargs) (the op on
+    cache layer i) timed over base["layers"] layers, then its error against want; recorded and
+    logged, the prefix's bytes read per second against the copy bandwidth."""
+    L = base["layers"]
+    for name, kw, min_rows in runs:
+        saved = A.FUSED_MIN_ROWS
+        try:
+            if min_rows is not None:
+                A.FUSED_MIN_ROWS = min_rows
+            out = torch.empty(L, *want.shape, device=DEV, dtype=DT)
+            ms, mode = BA.time_per_call(lambda i: call(i, out[i], **kw), L, target_s=0.12)
+            call(0, out[0], **kw)
+            err = BA.rel_err(out[0], want)
+            gbps = read_bytes / (ms * 1e-3) / 1e9
+            rec(**base, impl=name, ms=ms, mode=mode, rel_err=err, gbps=gbps, frac_copy_bw=gbps / bw,
+                **{k: (vars(v) if isinstance(v, A.Tiles) else v) for k, v in kw.items()})
+            log(f"{base['kind']} ctx={base['ctx']} T={base['T']} {name}: {ms:.4f} ms, {gbps:.0f} GB/s "
+                f"({gbps / bw:.0%} of copy), err {err:.2e} ({mode})")
+        except Exception as e:
+            log(f"{base['kind']} ctx={base['ctx']} T={base['T']} {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
+            rec(**base, impl=name, error=f"{type(e).__name__}: {e}")
+        finally:
+            A.FUSED_MIN_ROWS = saved
+
+
+def tile_runs(tiles, D, rows, kvh, kv_len, per_sm, **kw):
+    """(name, kwargs, None) for each tile that fits this GPU's shared memory, at the split counts
+    that fill 1..per_sm(tile) programs per SM."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    hopper = torch.cuda.get_device_capability(DEV)[0] >= 9
+    limit = A._smem_limit(DEV) - A._SMEM_RESERVE
+    runs = []
+    for tt in tiles:
+        smem = A._smem_estimate(tt, D, 2, hopper)
+        if smem > limit:
+            continue
+        for p in range(1, per_sm(limit // smem) + 1):
+            ns = A.num_splits(kv_len, rows, kvh, tt.bm, sms, p)
+            runs.append((f"{kw.get('merge', '')}[{tt.bm},{tt.bn},{tt.warps},{tt.stages}|{ns}]",
+                         dict(kw, tiles=tt, splits=ns), None))
+    return runs
 
 
 def part_merge(args, bw):
@@ -249,15 +295,11 @@ def part_merge(args, bw):
     (a few keys under the context: the fused prefix of the trees at long reads); at long reads the
     AR step (T = 1) also over tiles x split counts (programs per SM) with the last-split merge, and
     with its prefix through cuDNN (FUSED_MIN_ROWS lowered to 1 for it) under either merge."""
-    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    hopper = torch.cuda.get_device_capability(DEV)[0] >= 9
-    limit = A._smem_limit(DEV) - A._SMEM_RESERVE
     for ctx in args.merge_ctx:
         for T in args.merge_trees:
             kv_len = pow2(ctx + T)
-            L = BA.layers_for(kv_len * KVH * D * 4)
-            base = dict(kind="merge", ctx=ctx, T=T, kv_len=kv_len, layers=L)
-            cache = BA.Cache(L, kv_len, KVH, D)
+            base = dict(kind="merge", ctx=ctx, T=T, kv_len=kv_len, layers=BA.layers_for(kv_len * KVH * D * 4))
+            cache = BA.Cache(base["layers"], kv_len, KVH, D)
             q = torch.randn(T, H, D, device=DEV, dtype=DT)
             st = torch.tensor(ctx, device=DEV)
             tm = BA.random_tree_mask(T, T).to(DEV)
@@ -265,41 +307,13 @@ def part_merge(args, bw):
             floor = ctx - T - 256 if ctx >= 16384 else 0  # the engine's: Decoder.start_floor just past a power of two
             runs = [(m, dict(merge=m, floor=floor), None) for m in ("last", "kernel")]
             if T == 1 and ctx >= 65536:
-                for tt in MERGE_TILES:
-                    if A._smem_estimate(tt, D, 2, hopper) > limit:
-                        continue
-                    per_sm = max(1, min(4, limit // A._smem_estimate(tt, D, 2, hopper)))
-                    for p in range(1, per_sm + 1):
-                        ns = A.num_splits(kv_len, 6, KVH, tt.bm, sms, p)
-                        runs.append((f"last[{tt.bm},{tt.bn},{tt.warps},{tt.stages}|{ns}]", dict(merge="last", tiles=tt, splits=ns), None))
-                for m in ("last", "kernel"):
-                    runs.append((f"cudnn+{m}", dict(merge=m, floor=floor), 1))
-            for name, kw, min_rows in runs:
-                saved = A.FUSED_MIN_ROWS
-                try:
-                    if min_rows is not None:
-                        A.FUSED_MIN_ROWS = min_rows
-                    out = torch.empty(L, T, H, D, device=DEV, dtype=DT)
-                    ms, mode = BA.time_per_call(lambda i: A.tree_attention(q, cache.k[i], cache.v[i], st, tm, kv_len,
-                                                                           out=out[i], **kw), L, target_s=0.12)
-                    A.tree_attention(q, cache.k[0], cache.v[0], st, tm, kv_len, out=out[0], **kw)
-                    err = BA.rel_err(out[0], want)
-                    gbps = ctx * KVH * D * 4 / (ms * 1e-3) / 1e9
-                    rec(**base, impl=name, ms=ms, mode=mode, rel_err=err, gbps=gbps, frac_copy_bw=gbps / bw,
-                        **{k: (vars(v) if isinstance(v, A.Tiles) else v) for k, v in kw.items()})
-                    log(f"merge ctx={ctx} T={T} {name}: {ms:.4f} ms, {gbps:.0f} GB/s ({gbps / bw:.0%} of copy), "
-                        f"err {err:.2e} ({mode})")
-                except Exception as e:
-                    log(f"merge ctx={ctx} T={T} {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
-                    rec(**base, impl=name, error=f"{type(e).__name__}: {e}")
-                finally:
-                    A.FUSED_MIN_ROWS = saved
+                runs += tile_runs(MERGE_TILES, D, G, KVH, kv_len, lambda fit: max(1, min(4, fit)), merge="last")
+                runs += [(f"cudnn+{m}", dict(merge=m, floor=floor), 1) for m in ("last", "kernel")]
+            time_runs(base, runs, lambda i, out, **kw: A.tree_attention(q, cache.k[i], cache.v[i], st, tm, kv_len,
+                                                                         out=out, **kw),
+                      want, ctx * KVH * D * 4, bw)
             del cache, want
             torch.cuda.empty_cache()
-
-
-DRAFT_TILES = [A.Tiles(*t) for t in ((64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2),
-                                     (64, 128, 8, 3), (64, 32, 4, 4), (32, 64, 4, 3))]
 
 
 def part_drafter(args, bw):
@@ -307,41 +321,20 @@ def part_drafter(args, bw):
     / 8 heads x 128, through the split-KV kernel (its rule; tiles x split counts) and with the
     prefix through cuDNN (a floor a few keys under the context), at the engine's bound."""
     Hd, KVHd, Dd, B = 32, 8, 128, 16
-    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    hopper = torch.cuda.get_device_capability(DEV)[0] >= 9
-    limit = A._smem_limit(DEV) - A._SMEM_RESERVE
     for ctx in args.drafter_ctx:
         kv_len = ctx + 2048 + B  # bench_engine's max_len caps the power of two
-        L = BA.layers_for(kv_len * KVHd * Dd * 4)
-        base = dict(kind="drafter-full", ctx=ctx, T=B, kv_len=kv_len, layers=L)
-        k = torch.randn(L, kv_len, KVHd, Dd, device=DEV, dtype=DT)
-        v = torch.randn(L, kv_len, KVHd, Dd, device=DEV, dtype=DT)
+        base = dict(kind="drafter-full", ctx=ctx, T=B, kv_len=kv_len, layers=BA.layers_for(kv_len * KVHd * Dd * 4))
+        cache = BA.Cache(base["layers"], kv_len, KVHd, Dd)
         q = torch.randn(B, Hd, Dd, device=DEV, dtype=DT)
         st = torch.tensor(ctx, device=DEV)
-        want = A.tree_attention_reference(q.float(), k[0].float(), v[0].float(), st, "full", kv_len, causal=False)
-        runs = [("rule", {})]
-        for tt in DRAFT_TILES:
-            if A._smem_estimate(tt, Dd, 2, hopper) > limit:
-                continue
-            for p in (1, 2):
-                ns = A.num_splits(kv_len, B * Hd // KVHd, KVHd, tt.bm, sms, p)
-                runs.append((f"[{tt.bm},{tt.bn},{tt.warps},{tt.stages}|{ns}]", dict(tiles=tt, splits=ns)))
-        runs.append(("cudnn", dict(floor=ctx - B - 256)))
-        for name, kw in runs:
-            try:
-                out = torch.empty(L, B, Hd, Dd, device=DEV, dtype=DT)
-                ms, mode = BA.time_per_call(lambda i: A.tree_attention(q, k[i], v[i], st, "full", kv_len, causal=False,
-                                                                       out=out[i], **kw), L, target_s=0.12)
-                A.tree_attention(q, k[0], v[0], st, "full", kv_len, causal=False, out=out[0], **kw)
-                err = BA.rel_err(out[0], want)
-                gbps = ctx * KVHd * Dd * 4 / (ms * 1e-3) / 1e9
-                rec(**base, impl=name, ms=ms, mode=mode, rel_err=err, gbps=gbps, frac_copy_bw=gbps / bw,
-                    **{kk: (vars(vv) if isinstance(vv, A.Tiles) else vv) for kk, vv in kw.items()})
-                log(f"drafter ctx={ctx} {name}: {ms:.4f} ms, {gbps:.0f} GB/s ({gbps / bw:.0%} of copy), err {err:.2e} ({mode})")
-            except Exception as e:
-                log(f"drafter ctx={ctx} {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
-                rec(**base, impl=name, error=f"{type(e).__name__}: {e}")
-        del k, v, want
+        want = A.tree_attention_reference(q.float(), cache.k[0].float(), cache.v[0].float(), st, "full", kv_len,
+                                          causal=False)
+        runs = [("rule", {}, None)] + tile_runs(DRAFT_TILES, Dd, B * Hd // KVHd, KVHd, kv_len, lambda fit: 2)
+        runs.append(("cudnn", dict(floor=ctx - B - 256), None))
+        time_runs(base, runs, lambda i, out, **kw: A.tree_attention(q, cache.k[i], cache.v[i], st, "full", kv_len,
+                                                                     causal=False, out=out, **kw),
+                  want, ctx * KVHd * Dd * 4, bw)
+        del cache, want
         torch.cuda.empty_cache()
 
 
