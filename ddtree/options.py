@@ -16,6 +16,7 @@ package reads the environment for these.
     prefill_attention DDTREE_PREFILL_ATTENTION auto     prefill attention: auto (cuDNN, else FlashAttention-2, else the split-KV kernel), cudnn, flash, triton, efficient
     verify_fused     DDTREE_VERIFY_FUSED      auto      a verify's long committed prefix through cuDNN's attention, the rest by the split-KV kernel: auto (Hopper), on (any CUDA GPU), off
     fla              DDTREE_NO_FLA=1          on        flash-linear-attention's chunk kernel for prefill (when installed)
+    prefill_fast_min DDTREE_PREFILL_FAST_MIN  2048      prompts of at least N tokens prefill through the compiled layers and fla; shorter ones through their eager twins (no compile or tuning before a short prompt's first token)
     host_rounds      DDTREE_HOST_ROUNDS=1     off       the host-tree round loop (the reference twin of the device pipeline)
     split_graphs     DDTREE_SPLIT_GRAPHS=1    off       a layer split's rounds as CUDA graph segments, one per stage visit (experimental)
     tp_symm          DDTREE_TP_SYMM           0         --tp all-reduces through symmetric memory: 0, 1 (if it sets up), require (experimental)
@@ -89,6 +90,10 @@ class Options:
                                 _choice("auto", "on", "off", alias={"1": "on", "0": "off"}), default="auto")
     fla: bool = _switch("DDTREE_NO_FLA", "flash-linear-attention's chunk kernel for prefill (when installed)",
                         _off_when_set, default=True)
+    prefill_fast_min: int = _switch("DDTREE_PREFILL_FAST_MIN",
+                                    "prompts of at least this many tokens prefill through the compiled layers and fla's "
+                                    "chunk kernel; shorter ones through their eager twins (no compile or autotuning "
+                                    "before a short prompt's first token)", _count, default=2048)
     host_rounds: bool = _switch("DDTREE_HOST_ROUNDS", "the host-tree round loop (reference twin of the device pipeline)",
                                 _on_when_set, default=False)
     split_graphs: bool = _switch("DDTREE_SPLIT_GRAPHS", "a layer split's rounds as CUDA graph segments (off: the eager split)",

@@ -439,6 +439,8 @@ _METADATA = {
     "gpus": {"type": "array", "items": {"type": "string"}},
     "interrupted": {"type": "boolean"},
     "interrupted_prompt": {"type": ["string", "null"]},
+    # seconds of the process's start-up per phase (ddtree.decode.startup.StartupClock.to_dict)
+    "startup": {"type": "object", "additionalProperties": {"type": ["number", "null"]}},
 }
 
 

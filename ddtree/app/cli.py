@@ -122,6 +122,20 @@ def _setup_logging(verbose: bool) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def cache_dir() -> Path:
+    """ddtree's folder under the user's cache directory (XDG_CACHE_HOME, else ~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddtree"
+
+
+def _persistent_caches() -> None:
+    """Compile once per machine, not once per process: inductor's caches (FX graphs, AOTAutograd)
+    under ddtree's cache folder rather than /tmp, and Triton's autotuning results on disk beside
+    its kernels (fla's chunk kernels tune dozens of configurations per shape). Set before torch
+    is imported; a variable the user set wins."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+
+
 def _oom_types() -> tuple[type, ...]:
     if "torch" not in sys.modules:  # nothing ran on a GPU yet
         return ()
@@ -202,6 +216,7 @@ def _command(name: str, body: Callable[..., Any], doc: str) -> None:
         arguments = {o.name: values.pop(o.name) for o in table if o.argument}
         opts, given = resolve_options(name, values)
         _setup_logging(bool(opts["verbose"]))
+        _persistent_caches()
         opts.pop("verbose")
         return body(opts, given, **arguments)
 
@@ -369,7 +384,9 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
     import importlib.util
 
     from ddtree.app import setup as S
+    from ddtree.decode.startup import process_age_s
 
+    t_entry, age = time.perf_counter(), process_age_s() or 0.0  # the start-up line counts from the command
     # ---- every check that needs no torch, before any heavy import
     method = S.parse_method(opts["method"], bool(opts["drafter"]))
     budget = S.parse_budget(opts["budget"])  # checked even where the method ignores it
@@ -424,17 +441,26 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
         records.append(rec)
         tag = label if len(encoded) == 1 else f"{p.id} ({label})"
         print(summary_line(rec, tag), file=sys.stderr, flush=True)
+        if len(records) == 1 and clocks:  # once: the first generation holds the start-up
+            clock = clocks[0]
+            clock.first_token_s = (streamer.t_first or time.perf_counter()) - t_entry + age
+            paths["startup"] = clock.to_dict()
+            print(clock.line(), file=sys.stderr, flush=True)
 
     paths: dict = {}
+    clocks: list = []  # the decoder's start-up clock, once the models are loaded
     try:
         if tp > 1:
             S.flush_notices()
             _generate_tp(S, spec, dict(opts, max_new_tokens=max_new), method, budget, encoded, max_len, start, done)
         else:
+            t_load = time.perf_counter()
             loaded = S.load_models(spec, max_len, method != "ar", _set_stage, room=room,
                                    auto=method == "ddtree" and budget == "auto")
             S.flush_notices()  # after the last thing that can fail on bad input
             paths = S.decoder_paths(loaded.decoder)
+            clocks.append(S.startup_clock(loaded.decoder, age, t_load - t_entry, time.perf_counter() - t_load))
+            paths["startup"] = clocks[0].to_dict()
             sp = S.sampling_params(opts)
             decode_text = S.decode_text_fn(spec.tokenizer)
             for i, (p, ids) in enumerate(encoded):

@@ -581,6 +581,14 @@ def decoder_paths(dec) -> dict:
     }
 
 
+def startup_clock(dec, python_s: float, setup_s: float, weights_s: float):
+    """The decoder's start-up clock with the phases before it existed added (ddtree.decode.startup)."""
+    clock = dec.startup
+    for phase, seconds in (("python", python_s), ("setup", setup_s), ("weights", weights_s)):
+        clock.add(phase, seconds)
+    return clock
+
+
 def log_setup(loaded: Loaded) -> None:
     """-v: what a slow or odd run is diagnosed from."""
     dec, spec = loaded.decoder, loaded.spec

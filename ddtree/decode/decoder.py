@@ -34,6 +34,7 @@ from ddtree.decode.graphs import GraphRunner, VerifyKey, bucket
 from ddtree.decode.reference import Draft, host_tree, run_host_rounds
 from ddtree.decode.round import AHEAD_MARGIN, Pipeline
 from ddtree.decode.sampling import SamplingParams, choose
+from ddtree.decode.startup import StartupClock
 from ddtree.errors import DDTreeError
 from ddtree.model.drafter import DFlashDrafter
 from ddtree.model.target import TargetModel
@@ -118,8 +119,9 @@ class Decoder:
         self._verify_cost: dict = {}  # auto: (context bucket, greedy, near the end) -> {budget: verify ms}
         self.deferred = None  # auto's deferred drafter context (ddtree.decode.round.DeferredContext), made on first use
         self._compile_noticed = False
+        self.startup = StartupClock()  # compile, capture and prefill seconds (ddtree.decode.startup)
         self.graphs = GraphRunner(target, self.use_graphs, self._mutable, self._compile_failed,
-                                  log=lambda m: _log().debug(m))
+                                  log=lambda m: _log().debug(m), clock=self.startup)
         if drafter is not None:
             target.tap_layers = list(drafter.cfg.target_layer_ids)
             drafter.attach(target.embed_tokens, target.lm_head, target.enter, _drafter_stage(target, drafter),
@@ -397,23 +399,30 @@ class Decoder:
         if self.drafter is not None:
             self.drafter.reset()
             self.drafter.compile_layers = self.compile
-        self._notice_compile()
+        # A short prompt takes the eager prefill layers and the torch GDN chain: compiling them and
+        # tuning fla's kernels would cost more than they save on it (options.prefill_fast_min).
+        fast = len(prompt_ids) >= self.options.prefill_fast_min
+        if fast:
+            self._notice_compile()
         sync(dev)
         t0 = time.perf_counter()
-        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-        # no taps for `ar` (a drafter may be loaded for other methods): kept, they would be the whole prompt's
-        logits, _ = tgt.prefill(prompt, want_taps=taps_on, on_taps=self.drafter.add_context if taps_on else None)
-        bonus_d = choose(logits[None], job.sampling, gen)[0]
-        draft = None
-        if taps_on:
-            k = job.k
-            lp, ids = self.draft_topk(bonus_d, self.kv_len(len(prompt_ids)), k, job.sampling)
-            host = torch.cat([bonus_d.view(1).float(), lp.flatten(), ids.flatten().float()]).cpu().numpy()
-            D = lp.shape[0]
-            draft = Draft(int(host[0]), host[1 : 1 + D * k].reshape(D, k), host[1 + D * k :].reshape(D, k).astype(np.int64))
-            bonus = draft.bonus
-        else:
-            bonus = int(bonus_d)  # the one sync of the prefill
+        with self.startup.phase("prefill"):
+            prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
+            # no taps for `ar` (a drafter may be loaded for other methods): kept, they would be the whole prompt's
+            logits, _ = tgt.prefill(prompt, want_taps=taps_on, on_taps=self.drafter.add_context if taps_on else None,
+                                    fast=fast)
+            bonus_d = choose(logits[None], job.sampling, gen)[0]
+            draft = None
+            if taps_on:
+                k = job.k
+                lp, ids = self.draft_topk(bonus_d, self.kv_len(len(prompt_ids)), k, job.sampling)
+                host = torch.cat([bonus_d.view(1).float(), lp.flatten(), ids.flatten().float()]).cpu().numpy()
+                D = lp.shape[0]
+                draft = Draft(int(host[0]), host[1 : 1 + D * k].reshape(D, k),
+                              host[1 + D * k :].reshape(D, k).astype(np.int64))
+                bonus = draft.bonus
+            else:
+                bonus = int(bonus_d)  # the one sync of the prefill
         return Prefilled(len(prompt_ids), bonus, draft, time.perf_counter() - t0, gen)
 
     @torch.no_grad()
@@ -427,6 +436,7 @@ class Decoder:
             on_tokens([pre.bonus])
         start = pre.prompt_len
         self.start_d.fill_(start)
+        self._notice_compile()
         pipeline = not self.options.host_rounds and not (job.top1_first and method == "ddtree")
         chooser = self.calibrate(start, sampling.greedy, plain=pipeline) if job.auto and method == "ddtree" else None
         clock = StageClock(dev)

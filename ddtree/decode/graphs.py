@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from ddtree.decode.startup import StartupClock
+
 
 def bucket(n: int, size: int) -> int:
     """n rounded up to a multiple of size (context-length buckets of the graph keys)."""
@@ -279,8 +281,10 @@ class GraphRunner:
     nothing. A compile failure on first use falls back to the eager layers (`on_compile_failure`)."""
 
     def __init__(self, target, use_graphs: bool, mutable: Callable[[], list[torch.Tensor]],
-                 on_compile_failure: Callable[[Exception], None], log: Callable[[str], None] | None = None):
+                 on_compile_failure: Callable[[Exception], None], log: Callable[[str], None] | None = None,
+                 clock: StartupClock | None = None):
         self.target, self.use_graphs = target, use_graphs
+        self.clock = clock or StartupClock()  # a key's first use: compile and capture (ddtree.decode.startup)
         self.mutable, self.on_compile_failure = mutable, on_compile_failure
         self.log = log or (lambda msg: None)
         self._graphs: dict = {}
@@ -317,6 +321,12 @@ class GraphRunner:
         return len(self.target.stages) > 1
 
     def _run(self, key, fn, keep):
+        if key in self._graphs or (not self.use_graphs and (key in self._seen or not self.target.compile_layers)):
+            return self._first_or_replay(key, fn, keep)
+        with self.clock.phase("capture"):
+            return self._first_or_replay(key, fn, keep)
+
+    def _first_or_replay(self, key, fn, keep):
         compiled = self.target.compile_layers
         if not self.use_graphs:
             if not compiled or key in self._seen:

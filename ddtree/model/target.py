@@ -348,6 +348,7 @@ class Chunk:
     cos: torch.Tensor  # [T, rd] model dtype
     sin: torch.Tensor
     kernels: Kernels
+    compiled: bool = False  # through the compiled layer (TargetModel._prefill_layer)
 
 
 # The kernel's grid comes from host ints (T, kv_len): it runs between compiled pieces.
@@ -674,23 +675,25 @@ class TargetModel(nn.Module):
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, start: int = 0, chunk: int | None = None, want_taps: bool = True,
-                on_taps=None):
+                on_taps=None, fast: bool = True):
         """Run `tokens` [N] as a chain from committed length `start` and commit all of them, `chunk`
         tokens per forward (default: prefill_chunk()). on_taps(taps [T, taps*hidden]) receives each
         chunk's tap rows (the drafter's context); without it they are returned, concatenated.
+        fast=False: the eager layers and the torch GDN chain (their twins), whatever compile_layers
+        and the kernels say: no compile and no fla autotuning for a short prompt.
         -> (the last row's logits [vocab], taps [N, taps*hidden] | None)."""
         chunk = chunk or self.prefill_chunk()
         taps, logits = [], None
         want = want_taps and bool(self.tap_layers)
         for s0 in range(0, tokens.shape[0], chunk):
             t = tokens[s0 : s0 + chunk].to(self.device)
-            logits, tap = self._prefill_chunk(t, start + s0, want)
+            logits, tap = self._prefill_chunk(t, start + s0, want, fast)
             if tap is not None:
                 on_taps(tap) if on_taps is not None else taps.append(tap)
         return logits, (torch.cat(taps) if taps else None)
 
-    def _prefill_chunk(self, tokens: torch.Tensor, start: int, want_taps: bool):
-        """One chunk through every stage (eager: its shapes vary), committed. -> (last logits, taps)."""
+    def _prefill_chunk(self, tokens: torch.Tensor, start: int, want_taps: bool, fast: bool = True):
+        """One chunk through every stage, committed (fast: see prefill). -> (last logits, taps)."""
         T = tokens.shape[0]
         x, taps, last = tokens, [], self.home
         for st in self.stages:
@@ -701,9 +704,10 @@ class TargetModel(nn.Module):
             if st.index == 0:
                 x = self.embed_tokens(x)
             cos, sin = self._rope[st.device]
+            kernels = self.kernels.get(st.index, REFERENCE)
             c = Chunk(start, cos[start : start + T].to(self.dtype), sin[start : start + T].to(self.dtype),
-                      self.kernels.get(st.index, REFERENCE))
-            if self.compile_layers:  # one compiled prefill for every chunk length (no static first graph)
+                      kernels if fast else dataclasses.replace(kernels, fla=False), compiled=fast and self.compile_layers)
+            if c.compiled:  # one compiled prefill for every chunk length (no static first graph)
                 for t in (x, c.cos, c.sin):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             for i in range(st.start, st.end):
@@ -722,7 +726,7 @@ class TargetModel(nn.Module):
         on arrival), so the GDN states are restored first (the K/V rows are rewritten whole); any
         other error propagates."""
         layer = self.layers[i]
-        if not self.compile_layers or self._prefill_compile_failed or layer.reduce is not _identity:
+        if not c.compiled or self._prefill_compile_failed or layer.reduce is not _identity:
             return _prefill_layer(layer, x, c)
         live = [t for t in (getattr(layer.mixer, n, None) for n in ("conv_state", "rec_state")) if t is not None]
         saved = [t.clone() for t in live]  # [width-1, C] and [hv, dk, dv]: ~3 MB a GDN layer, ~0.1 ms a chunk
