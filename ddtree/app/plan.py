@@ -409,14 +409,16 @@ def gpu_capacities(devices: Sequence[str], kind: str) -> dict[str, int]:
 
 def fla_in_use(devices, options=None) -> bool:
     """Whether the prefill's GDN chain may take fla's chunk kernel on these devices: the options
-    allow it (Kernels.fla through ddtree.ops.dispatch.resolve) and fla imports here (its
-    per-dtype self-check runs at the first prefill; a failing check only lowers the real peak)."""
-    from ddtree.ops import fla
+    allow it (Kernels.fla through ddtree.ops.dispatch.resolve) and fla is installed (found, not
+    imported: importing fla costs seconds of start-up; its import and per-dtype self-check run at
+    the first long prefill, and a failing one only lowers the real peak)."""
+    import importlib.util
+
     from ddtree.ops.dispatch import resolve
     from ddtree.options import Options
 
     options = options or Options.from_env()
-    return all(resolve(options, str(x)).fla for x in devices) and fla._kernel() is not None
+    return all(resolve(options, str(x)).fla for x in devices) and importlib.util.find_spec("fla") is not None
 
 
 def plan_for_devices(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, devices: Sequence[Any],

@@ -394,14 +394,15 @@ class Decoder:
         if job.seed is not None:
             gen = torch.Generator(device=dev)
             gen.manual_seed(job.seed)
+        # A short prompt takes the eager prefill layers and the torch GDN chain, and the drafter's
+        # context and first block run eagerly: compiling them and tuning fla's kernels would cost
+        # more than they save on it (options.prefill_fast_min); the rounds compile what they need.
+        fast = len(prompt_ids) >= self.options.prefill_fast_min
         tgt.reset()
         tgt.compile_layers = self.compile
         if self.drafter is not None:
             self.drafter.reset()
-            self.drafter.compile_layers = self.compile
-        # A short prompt takes the eager prefill layers and the torch GDN chain: compiling them and
-        # tuning fla's kernels would cost more than they save on it (options.prefill_fast_min).
-        fast = len(prompt_ids) >= self.options.prefill_fast_min
+            self.drafter.compile_layers = self.compile and fast
         if fast:
             self._notice_compile()
         sync(dev)
@@ -436,6 +437,8 @@ class Decoder:
             on_tokens([pre.bonus])
         start = pre.prompt_len
         self.start_d.fill_(start)
+        if self.drafter is not None:
+            self.drafter.compile_layers = self.compile  # (a short prompt's prefill ran it eagerly)
         self._notice_compile()
         pipeline = not self.options.host_rounds and not (job.top1_first and method == "ddtree")
         chooser = self.calibrate(start, sampling.greedy, plain=pipeline) if job.auto and method == "ddtree" else None
