@@ -366,29 +366,9 @@ def _warn_sampling(opts: dict, given: frozenset) -> None:
 
 def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[str] = None) -> list:
     """`ddtree generate` after option merging; returns the GenerationRecords."""
-    import importlib.util
-
     from ddtree.app import setup as S
 
-    # ---- every check that needs no torch, before any heavy import
-    method = S.parse_method(opts["method"], bool(opts["drafter"]))
-    budget = S.parse_budget(opts["budget"])  # checked even where the method ignores it
-    budget = budget if method == "ddtree" else None
-    S.check_sampling(float(opts["temperature"]), float(opts["top_p"]), int(opts["top_k"]))
-    S.check_dtype(opts["dtype"])
-    S.check_devices(opts["devices"])
-    tp = int(opts["tp"])
-    if method != "ar" and not opts["drafter"]:
-        raise DDTreeError(f"--method {method} needs a drafter: pass --drafter REF (e.g. z-lab/Qwen3.6-27B-DFlash) or use --method ar")
-    if tp > 1:
-        if importlib.util.find_spec("ddtree.parallel.tp") is None:
-            raise DDTreeError("tensor parallelism not available in this build: drop --tp, or split layers with --devices cuda:0,cuda:1")
-        if budget == "auto":
-            raise DDTreeError("--budget auto is not supported with --tp yet: pass a number, e.g. --budget 32")
-    stats_path = S.check_output(opts["stats_json"], "--stats-json") if opts["stats_json"] is not None else None
-    S.precheck_model(opts["target"], "target")
-    if method != "ar":
-        S.precheck_model(opts["drafter"], "drafter")
+    method, budget, tp, stats_path = _check_generate(S, opts)  # every check that needs no torch, first
     prompts_spec = opts["prompts"] if prompt is None else None
     prompts = _read_prompts(prompt, prompts_spec, opts["limit"])
     _warn_generate(opts, given, method, prompt)
@@ -470,6 +450,32 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
         doc = _generate_document(S, spec, dict(opts, prompts=prompts_spec), method, budget, records, max_len, paths)
         S.write_document(doc, stats_path, "--stats-json")
     return records
+
+
+def _check_generate(S, opts: dict) -> tuple:
+    """generate's checks that need no torch, before any heavy import -> (method, budget (None
+    unless ddtree), tensor-parallel ranks, the --stats-json path | None)."""
+    import importlib.util
+
+    method = S.parse_method(opts["method"], bool(opts["drafter"]))
+    budget = S.parse_budget(opts["budget"])  # checked even where the method ignores it
+    budget = budget if method == "ddtree" else None
+    S.check_sampling(float(opts["temperature"]), float(opts["top_p"]), int(opts["top_k"]))
+    S.check_dtype(opts["dtype"])
+    S.check_devices(opts["devices"])
+    tp = int(opts["tp"])
+    if method != "ar" and not opts["drafter"]:
+        raise DDTreeError(f"--method {method} needs a drafter: pass --drafter REF (e.g. z-lab/Qwen3.6-27B-DFlash) or use --method ar")
+    if tp > 1:
+        if importlib.util.find_spec("ddtree.parallel.tp") is None:
+            raise DDTreeError("tensor parallelism not available in this build: drop --tp, or split layers with --devices cuda:0,cuda:1")
+        if budget == "auto":
+            raise DDTreeError("--budget auto is not supported with --tp yet: pass a number, e.g. --budget 32")
+    stats_path = S.check_output(opts["stats_json"], "--stats-json") if opts["stats_json"] is not None else None
+    S.precheck_model(opts["target"], "target")
+    if method != "ar":
+        S.precheck_model(opts["drafter"], "drafter")
+    return method, budget, tp, stats_path
 
 
 def _generate_document(S, spec, opts, method, budget, records, max_len, paths, interrupted=False, interrupted_prompt=None):
