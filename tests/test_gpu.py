@@ -5,7 +5,8 @@ import torch
 
 from ddtree.decode.decoder import Decoder
 from ddtree.decode.sampling import SamplingParams
-from ddtree.model.synthetic import build_random_pair, hf_reference, tiny_hybrid_config, build_random_target
+from ddtree.decode.random_pair import build_random_pair
+from ddtree.model.synthetic import hf_reference, tiny_hybrid_config, build_random_target
 from ddtree.ops.tree import build_tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from ddtree.model.synthetic import build_random_pair
+from ddtree.decode.random_pair import build_random_pair
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),

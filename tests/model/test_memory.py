@@ -27,7 +27,8 @@ from ddtree.model import memory as mem
 from ddtree.model.config import DrafterConfig, TargetConfig
 from ddtree.model.drafter import DFlashDrafter
 from ddtree.model.placement import EXACT_ROWS, Workload, gpu_rows, _layers, place
-from ddtree.model.synthetic import build_random_pair, randomize_, tiny_dense_config, tiny_drafter_config, tiny_hybrid_config
+from ddtree.decode.random_pair import build_random_pair
+from ddtree.model.synthetic import randomize_, tiny_dense_config, tiny_drafter_config, tiny_hybrid_config
 from ddtree.model.target import Chunk, TargetModel
 
 from helpers import tensors_in, tiny_cpu_each_test  # noqa: F401  (autouse: one thread, no_grad)
