@@ -10,6 +10,9 @@ of 16, 16 and 9), under several settings, one fresh compile each:
     fla off        the GDN chain through the torch twin (chain_chunked), not fla's chunk kernel
     no padding     inductor's shape_padding off (padded matmuls take other cuBLAS kernels)
     eager twice    eager against eager: the run-to-run floor
+    sensitivity    eager against eager with every layer's input nudged by 1e-7 of its largest
+                   value (about one float32 rounding): how far this model carries a rounding
+                   difference, the floor of any end-to-end comparison of two float32 paths
 
 Per setting: the test's figures (max |compiled - eager| / max |eager| of the logits, taps, states
 and K/V rows, against its 5e-5), then per layer the difference carried in from the layers before
@@ -43,7 +46,8 @@ from ddtree.options import Options  # noqa: E402
 
 TOL = 5e-5  # the test's
 NAMES = ("logits", "taps", "recurrent states", "conv states", "K cache", "V cache")
-SETTINGS = ("as found", "tf32 off", "tf32 on", "fla off", "no padding", "eager twice")
+SETTINGS = ("as found", "tf32 off", "tf32 on", "fla off", "no padding", "eager twice", "sensitivity")
+NUDGE = 1e-7  # relative to a layer input's largest value
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -126,9 +130,11 @@ def live(layer, c, T: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def run(tgt, prompt, compiled: bool, own: bool):
+def run(tgt, prompt, compiled: bool, own: bool, nudge: bool = False):
     """Prefill in chunks of 16 as the test does; -> (the test's tensors, per layer [(chunk start,
-    out, own difference | None, input)])."""
+    out, own difference | None, input)]). nudge: each layer's input gets seeded noise of NUDGE x
+    its largest value first."""
+    gen = torch.Generator(device=prompt.device).manual_seed(0)
     import ddtree.model.target as tm
 
     per_layer: dict[int, list] = {}
@@ -136,6 +142,8 @@ def run(tgt, prompt, compiled: bool, own: bool):
 
     def hooked(self, i, x, c):
         layer = self.layers[i]
+        if nudge:
+            x = x + NUDGE * x.abs().max() * torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
         before = [t.clone() for t in live(layer, c, x.shape[0])] if own else None
         out = orig(self, i, x, c)
         own_diff = None
@@ -194,7 +202,8 @@ def diagnose(name: str, device: str) -> dict:
     with setting(name, tgt):
         fresh_compile()
         ref, ref_layers = run(tgt, prompt, False, False)
-        got, got_layers = run(tgt, prompt, name != "eager twice", name != "eager twice")
+        eager = name in ("eager twice", "sensitivity")
+        got, got_layers = run(tgt, prompt, not eager, not eager, nudge=name == "sensitivity")
         fla_info = {}
         if device.startswith("cuda"):
             from ddtree.ops import fla
