@@ -63,17 +63,17 @@ def test_selftest_subprocess():
 def test_selftest_takes_the_switches(monkeypatch, capsys):
     """`ddtree selftest` decodes with the DDTREE_* switches of the environment (here the host-tree
     round loop and the dense-mask attention twin), names them in its header, and still passes."""
-    import ddtree.model.synthetic as synthetic
+    import ddtree.decode.random_pair as random_pair
     from ddtree.app.selftest import run_selftest
 
     seen = []
-    real = synthetic.build_random_pair
+    real = random_pair.build_random_pair
 
     def spy(*a, **kw):
         seen.append(kw.get("options"))
         return real(*a, **kw)
 
-    monkeypatch.setattr(synthetic, "build_random_pair", spy)
+    monkeypatch.setattr(random_pair, "build_random_pair", spy)
     monkeypatch.setenv("DDTREE_HOST_ROUNDS", "1")
     monkeypatch.setenv("DDTREE_ATTENTION", "sdpa")
     run_selftest({"devices": "cpu", "max_new_tokens": 12}, lambda s: None)
