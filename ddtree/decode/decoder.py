@@ -82,9 +82,9 @@ class Decoder:
     """Runs `ar`, `dflash` or `ddtree` on a loaded target (+ drafter); see the module docstring.
 
     options: the engine switches (ddtree.options; default: Options()). use_graphs: CUDA graphs
-    (default: on CUDA; a split target's pieces are captured as one segment per stage visit unless
-    options.split_graphs is off; use_graphs=False is the eager split, their twin). compile: compiled layers (default: where
-    rounds are graphed or split over GPUs, unless options.compile is off). bucket: context-length
+    (default: on CUDA, a split's pieces as one segment per stage visit unless options.split_graphs
+    is off; False: the eager split, their twin). compile: compiled layers (default: where rounds
+    are graphed or split over GPUs, unless options.compile is off). bucket: context-length
     granularity of the graph keys."""
 
     chooser_class = BudgetChooser  # --budget auto's cost model (tests substitute a forced one)
