@@ -117,9 +117,12 @@ def check_compiled_prefill_matches_eager(device: str, tol: float = 5e-5):
 
     Per layer, since the tiny random model carries a rounding-level difference far: every layer's
     input nudged by 1e-7 of its largest value moves the taps by ~1e-4, eager against eager
-    (scripts/diag_compiled_prefill.py, its sensitivity row); a layer's own compiled-vs-eager
-    difference is float32 rounding (2e-6 on the CPU), a wrong mask, view or state O(1). The end
-    to end check is kept where the amplification is small: the last logits."""
+    (scripts/diag_compiled_prefill.py, its sensitivity row). The GDN layers' per-head norms (q/k's
+    l2norm, the gated RMS norm of the recurrence's output) rescale heads far smaller than the
+    largest value, so an error at the largest value's rounding becomes one at the head's own scale
+    (one layer: x20 on the CPU). A layer's own compiled-vs-eager difference is float32 rounding
+    (2e-6 on the CPU), a wrong mask, view or state O(1). The end-to-end check is kept where the
+    amplification is small: the last logits."""
     import ddtree.model.target as tm
 
     dec, raw = build_random_pair("hybrid", 5, device=device)
