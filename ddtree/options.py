@@ -18,7 +18,7 @@ package reads the environment for these.
     fla              DDTREE_NO_FLA=1          on        flash-linear-attention's chunk kernel for prefill (when installed)
     prefill_fast_min DDTREE_PREFILL_FAST_MIN  2048      prompts of at least N tokens prefill through the compiled layers and fla; shorter ones through their eager twins (no compile or tuning before a short prompt's first token)
     host_rounds      DDTREE_HOST_ROUNDS=1     off       the host-tree round loop (the reference twin of the device pipeline)
-    split_graphs     DDTREE_SPLIT_GRAPHS=1    off       a layer split's rounds as CUDA graph segments, one per stage visit (experimental)
+    split_graphs     DDTREE_EAGER_SPLIT=1     on        a layer split's rounds as CUDA graph segments, one per stage visit (off: the eager split, its twin)
     tp_symm          DDTREE_TP_SYMM           0         --tp all-reduces through symmetric memory: 0, 1 (if it sets up), require (experimental)
     tp_start         DDTREE_TP_START          forkserver  how --tp starts its worker processes: forkserver or spawn
     triton_on_cpu    DDTREE_TRITON_ON_CPU=1   off       run the Triton kernels on CPU tensors under Triton's interpreter (tests)
@@ -96,8 +96,8 @@ class Options:
                                     "before a short prompt's first token)", _count, default=2048)
     host_rounds: bool = _switch("DDTREE_HOST_ROUNDS", "the host-tree round loop (reference twin of the device pipeline)",
                                 _on_when_set, default=False)
-    split_graphs: bool = _switch("DDTREE_SPLIT_GRAPHS", "a layer split's rounds as CUDA graph segments (off: the eager split)",
-                                 _on_when_set, experimental=True, default=False)
+    split_graphs: bool = _switch("DDTREE_EAGER_SPLIT", "a layer split's rounds as CUDA graph segments (off: the eager split, their twin)",
+                                 _off_when_set, default=True)
     tp_symm: str = _switch("DDTREE_TP_SYMM", "--tp all-reduces through symmetric memory: 0, 1, require",
                            _choice("0", "1", "require"), experimental=True, default="0")
     tp_start: str = _switch("DDTREE_TP_START", "how --tp starts its workers: forkserver or spawn",
@@ -138,12 +138,11 @@ class Options:
 def markdown_table() -> str:
     """The README's table of engine switches (tests/test_options.py checks README.md holds it)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
-    for name, env, default, help, experimental in table():
+    for _name, env, default, help, experimental in table():
         shown = {True: "on", False: "off"}.get(default, default) if isinstance(default, bool) else default
-        flip = {"DDTREE_NO_": "`=1` turns it off", "DDTREE_TORCH_WALK": "`=1` turns it off"}
-        how = next((v for k, v in flip.items() if env.startswith(k)), "")
-        if isinstance(default, bool) and not how:
-            how = "`=1` turns it on"
+        how = ""
+        if isinstance(default, bool):  # DDTREE_NO_X=1, DDTREE_TORCH_WALK=1, DDTREE_EAGER_SPLIT=1 turn a default on off
+            how = "`=1` turns it off" if default else "`=1` turns it on"
         text = help + (f" ({how})" if how else "") + (" *experimental*" if experimental else "")
         rows.append(f"| `{env}` | {shown} | {text} |")
     return "\n".join(rows)

@@ -66,7 +66,7 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
 
     one = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices[:1]), torch.float32, 512, seed=3)))
     pair = build_random_on_devices(raw_t, raw_d, list(devices), torch.float32, 512, seed=3)
-    split = tokens(Decoder(*pair))
+    split = tokens(Decoder(*pair, use_graphs=False))  # the eager split
     split_graphed = tokens(Decoder(*pair, use_graphs=True)) if device_type == "cuda" else None
     target = build_random_target(raw_t, device=devices[0], seed=3, max_len=512)
     drafter = build_random_drafter(raw_d, target, device=devices[0], seed=4, max_len=512)
@@ -113,11 +113,11 @@ def main():
     out = {"gpu": torch.cuda.get_device_name(0), "n_gpus": torch.cuda.device_count(), "date": time.strftime("%Y-%m-%d"),
            "preset": a.preset, "ctx": a.ctx, "tokens": a.tokens}
     res = {}
-    # the split as it runs by default (eager rounds), then in graph segments (DDTREE_SPLIT_GRAPHS=1's path)
-    for name, devs, graphed in (("1 GPU", ["cuda:0"], (None,)), ("layer split", ["cuda:0", "cuda:1"], (None, True))):
+    # the split eagerly (DDTREE_EAGER_SPLIT=1's path), then in graph segments (the default)
+    for name, devs, graphed in (("1 GPU", ["cuda:0"], (None,)), ("layer split", ["cuda:0", "cuda:1"], (False, True))):
         t, d = build_random_on_devices(raw_t, raw_d, devs, torch.bfloat16, max_len)
         for g in graphed:
-            row = name if g is None else f"{name} graphed"
+            row = f"{name} graphed" if g else name
             dec = Decoder(t, d, use_graphs=g)
             res[row] = summarize([dec.generate(**gen_kwargs({}, j)) for j in jobs_for(prompt, a.tokens)])
             res[row]["graphs"] = dec.use_graphs

@@ -83,7 +83,7 @@ def bench(preset: str, devices: list[str], ctx: int, tokens: int) -> dict:
             dec = Decoder(target, drafter)
             res["unsplit"] = dict(measure(dec, prompt, tokens), graphs=dec.use_graphs, stages=stages)
         else:
-            dec = Decoder(target, drafter, use_graphs=True)  # the graph segments (by default a split runs eager)
+            dec = Decoder(target, drafter, use_graphs=True)  # the graph segments (a split's default on CUDA)
             assert dec.use_graphs and dec.split, "the split should run graphed segments"
             res["split graphed"] = dict(measure(dec, prompt, tokens), graphs=True, stages=stages)
             del dec

@@ -11,17 +11,25 @@ ddtree.model.placement's plan, per GPU:
   TargetModel.prefill in the chunks TargetModel.prefill_chunk picks from the free memory now,
   each chunk's taps to DFlashDrafter.add_context; the chunks' and the drafter context's peaks
   apart), a verify of --verify-nodes at kv_len = --max-length (Decoder._verify: the dense-mask
-  SDPA) and a draft there (draft_topk). Eager code, no CUDA graphs (the plan's graphs=False). An
-  estimate below its measurement is flagged (exit 1), as is an exact row off by more than 5%.
+  kernel or SDPA, as the engine's options say), a verify of --verify-nodes at the engine's context
+  bound for the prompt (Decoder._verify on a chain) and a draft there (Decoder.draft_topk).
+  Eager code, no CUDA graphs (the plan's graphs=False). An estimate below its measurement is
+  flagged (exit 1), as is an exact row off by more than 5%.
 
---attention math holds the verify's and draft's masked SDPA to torch's math path (what an RTX
-A6000 runs); auto keeps torch's choice (cuDNN on an H200). The prefill takes its flash kernels
-either way. Sized to run in a couple of minutes on an H200 at the defaults (most of it the build
-and the first compiles of the Triton kernels).
+--attention math holds the verify's and draft's attention to torch's math SDPA (the dense-mask
+twin, DDTREE_ATTENTION=sdpa, on its math backend: the A6000 fallback); auto takes the engine's
+path (the split-KV kernel where Triton runs). The prefill takes its flash kernels either way.
+At 32K and 128K on an H200 a run takes well under three minutes (most of it the build, the
+prefill and the first compiles of the Triton kernels).
 
-    python scripts/check_memory_plan.py --out results/memory-plan.json
-    python scripts/check_memory_plan.py --prompt-tokens 65536 --attention math
+    python scripts/check_memory_plan.py --prompt-tokens 32768 --out results/memory-plan-32k-h200.json
+    python scripts/check_memory_plan.py --prompt-tokens 131072 --out results/memory-plan-128k-h200.json
     python scripts/check_memory_plan.py --devices cuda:0,cuda:1 --prompt-tokens 32768
+    python scripts/check_memory_plan.py --tiny --devices cpu --prompt-tokens 700   # CPU: the code path only
+
+--tiny builds the tests' tiny random pair instead of the 27B shapes; on the CPU there are no
+allocator statistics, so the measured columns read 0 and nothing is flagged: a dry run that
+the script still matches the code.
 """
 
 from __future__ import annotations
@@ -38,14 +46,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.app.plan import attention_path  # noqa: E402
+from ddtree.decode.decoder import Decoder  # noqa: E402
+from ddtree.decode.graphs import VerifyKey  # noqa: E402
 from ddtree.decode.round import DeferredContext  # noqa: E402
+from ddtree.decode.sampling import SamplingParams  # noqa: E402
 from ddtree.model import memory as mem  # noqa: E402
 from ddtree.model.config import DrafterConfig, TargetConfig  # noqa: E402
 from ddtree.model.drafter import DFlashDrafter  # noqa: E402
 from ddtree.model.placement import EXACT_ROWS, Workload, gpu_of, place  # noqa: E402
 from ddtree.model.presets import qwen36_27b_config, qwen36_27b_dflash_config  # noqa: E402
-from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
+from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config, tiny_hybrid_config  # noqa: E402
 from ddtree.model.target import TargetModel  # noqa: E402
+from ddtree.ops import fla  # noqa: E402
+from ddtree.ops.tree import Tree  # noqa: E402
 from ddtree.options import Options  # noqa: E402
 
 GiB = 1 << 30
@@ -54,10 +67,16 @@ PHASES = ("prefill chunk", "drafter context", "verify", "draft")  # what is meas
 PLAN_PHASE = {"prefill chunk": "prefill", "drafter context": "context", "verify": "verify", "draft": "draft"}
 
 
+def _cuda(g: str) -> bool:
+    return g.startswith("cuda")
+
+
 def snapshot(gpus) -> dict[str, int]:
+    """Bytes allocated per device now (0 on the CPU: no allocator statistics there)."""
     for g in gpus:
-        torch.cuda.synchronize(g)
-    return {g: torch.cuda.memory_allocated(g) for g in gpus}
+        if _cuda(g):
+            torch.cuda.synchronize(g)
+    return {g: torch.cuda.memory_allocated(g) if _cuda(g) else 0 for g in gpus}
 
 
 def planned_components(cfg, dcfg, split, wl) -> dict[str, dict[str, int]]:
@@ -133,11 +152,11 @@ class Peaks:
 
     def around(self, fn, base: dict[str, int]):
         def wrapped(*a, **k):
-            for g in self.gpus:
+            for g in filter(_cuda, self.gpus):
                 torch.cuda.synchronize(g)
                 torch.cuda.reset_peak_memory_stats(g)
             out = fn(*a, **k)
-            for g in self.gpus:
+            for g in filter(_cuda, self.gpus):
                 torch.cuda.synchronize(g)
                 self.peak[g] = max(self.peak[g], torch.cuda.max_memory_allocated(g) - base[g])
             return out
@@ -145,14 +164,14 @@ class Peaks:
 
 
 @torch.no_grad()
-def measure_phases(target, drafter, gpus, prompt_tokens: int, max_len: int, verify_nodes: int, chunk: int,
+def measure_phases(dec: Decoder, gpus, prompt_tokens: int, verify_nodes: int, chunk: int,
                    math_sdpa: bool) -> dict[str, dict[str, int]]:
-    """Peaks of the phases the plan estimates, each over what is allocated when it starts."""
+    """Peaks of the phases the plan estimates, each over what is allocated when it starts; the
+    pieces as the decoder runs them (eager: no graphs, no compiled layers)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    target, drafter = dec.target, dec.drafter
     dev = target.device
-    target.tap_layers = list(drafter.cfg.target_layer_ids)
-    drafter.attach(target.embed_tokens, target.lm_head)
     P = prompt_tokens
     prompt = torch.randint(2, min(100000, target.cfg.vocab_size), (P,), device=dev,
                            generator=torch.Generator(device=dev).manual_seed(0))
@@ -171,16 +190,16 @@ def measure_phases(target, drafter, gpus, prompt_tokens: int, max_len: int, veri
           file=sys.stderr)
     sdpa = sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext()
     T = verify_nodes
-    tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-    start = torch.tensor(P, device=dev)
+    dec.start_d.fill_(P)
+    slot = dec.slot(T)
+    slot.load(Tree.chain(prompt[:T].cpu()))
+    key = VerifyKey(T, dec.kv_len(P + T), True, True)  # the graph key the engine verifies under (greedy, taps)
 
-    def verify():  # Decoder._verify over a T-node chain at the committed length P, kv_len = max_len
-        logits, tap = target.forward(prompt[:T], P + torch.arange(T, device=dev), tril, torch.arange(T, device=dev) - 1,
-                                     start, max_len, want_taps=True)
-        return logits.argmax(-1), tap
+    def verify():  # a T-node chain at the committed length P (a verify commits nothing)
+        return dec._verify(slot, key)
 
-    def draft():  # Decoder.draft_topk at draft_kv = max_len
-        return drafter.draft_topk(prompt[0], max_len, 32)
+    def draft():  # the drafter's block after the prompt, its top-32 (a --budget 32 tree's columns)
+        return dec.draft_topk(prompt[0], dec.kv_len(P + 1), 32, SamplingParams())
 
     out = {}
     with sdpa:
@@ -202,34 +221,48 @@ def main():
     ap.add_argument("--attention", choices=("auto", "math"), default="auto",
                     help="the verify's and draft's masked SDPA: math holds it to torch's math path (the A6000's)")
     ap.add_argument("--no-activations", action="store_true", help="weights and state only (seconds)")
+    ap.add_argument("--tiny", action="store_true", help="the tests' tiny random pair (float32): a quick run of the code path")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("error: no CUDA device: this check measures GPU memory")
+    devices = [d.strip() for d in a.devices.split(",")]
+    on_cuda = all(d.startswith("cuda") for d in devices)
+    if not on_cuda and not a.tiny:
+        sys.exit("error: this check measures GPU memory: pass cuda devices, or --tiny --devices cpu for a dry run")
+    if on_cuda and not torch.cuda.is_available():
+        sys.exit("error: no CUDA device: pass --tiny --devices cpu for a dry run on the CPU")
     max_len = a.max_length or a.prompt_tokens + 1024
     if a.prompt_tokens + a.verify_nodes > max_len:
         sys.exit(f"error: --prompt-tokens {a.prompt_tokens} + a {a.verify_nodes}-node verify exceed --max-length {max_len}")
-    devices = [d.strip() for d in a.devices.split(",")]
-    raw_t, raw_d = qwen36_27b_config(), qwen36_27b_dflash_config()
+    if a.tiny:
+        raw_t = tiny_hybrid_config(layers=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3
+                                   + ("full_attention",))
+        raw_d, dtype = tiny_drafter_config(raw_t, block_size=8), torch.float32
+    else:
+        raw_t, raw_d, dtype = qwen36_27b_config(), qwen36_27b_dflash_config(), torch.bfloat16
     cfg = TargetConfig.from_dict(raw_t)
     dcfg = DrafterConfig.from_dict(raw_d, cfg.num_layers)
-    dtype = torch.bfloat16
-    path = "math" if a.attention == "math" else attention_path(devices, cfg, dcfg, dtype)
+    # the engine's switches (the environment's), the verify's and draft's attention as --attention says
+    options = Options.from_env()
+    if a.attention == "math":
+        options = options.replace(attention="sdpa")
+    path = "math" if a.attention == "math" else attention_path(devices, cfg, dcfg, dtype) if on_cuda else "math"
 
-    free_before = {g: torch.cuda.mem_get_info(g)[0] for g in dict.fromkeys(gpu_of(d) for d in devices)}
+    gpu_list = list(dict.fromkeys(gpu_of(d) for d in devices))
+    free_before = {g: torch.cuda.mem_get_info(g)[0] for g in gpu_list} if on_cuda else None
     t0 = time.perf_counter()
     target, drafter, deferred, measured = measure_build(raw_t, raw_d, devices, dtype, max_len)
     gpus = list(measured)
-    # the engine's kernels (Options from the environment, through ddtree.ops.dispatch.Kernels), and
-    # whether fla's chunk kernel really runs here (its self-check, made now so that it is not measured)
-    options = Options.from_env()
-    target.use(options)
-    from ddtree.ops import fla
-
-    uses_fla = all(target.kernels[dev].fla and fla.available(dev, dtype, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
-                   for dev in dict.fromkeys(target.layer_devices))
-    torch.cuda.synchronize()
-    free = torch.cuda.mem_get_info(target.device)[0]
+    # the rounds' pieces as the engine wires them (the stage hooks, the drafter's stage and kernels),
+    # eagerly; and whether fla's chunk kernel really runs here (its self-check, made now so that it is
+    # not measured). target.kernels is keyed by stage index.
+    dec = Decoder(target, drafter, max_len=max_len, options=options, use_graphs=False, compile=False)
+    uses_fla = all(target.kernels[st.index].fla
+                   and fla.available(st.device, dtype, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim)
+                   for st in target.stages if st.end > st.start)
+    free = None
+    if on_cuda:
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info(target.device)[0]
     chunk = target.prefill_chunk(free)  # what TargetModel.prefill would pick now
     # no capacities: the read-balanced split build_random_on_devices makes (checked below); eager
     # forwards here, so no CUDA-graph pools; the chunk the engine picked
@@ -240,16 +273,17 @@ def main():
     # the chunk the plan predicts from the free memory before the build (what plan_for_devices sees)
     predicted = place(cfg, dcfg, devices, Workload(**{**wl.__dict__, "prefill_chunk": None}), free_before)
     print(f"built in {time.perf_counter() - t0:.1f} s; layers {[(s.start, s.end) for s in split.stages]}, "
-          f"drafter on {split.drafter_device}; verify/draft SDPA {path}; prefill GDN chain "
-          f"{'fla' if uses_fla else 'torch (chain_chunked)'}; chunk {chunk} from {free / GiB:.2f} GiB free "
+          f"drafter on {split.drafter_device}; verify/draft attention {path}; prefill GDN chain "
+          f"{'fla' if uses_fla else 'torch (chain_chunked)'}; chunk {chunk} from {(free or 0) / GiB:.2f} GiB free "
           f"(the plan's, from the free memory before the build: {predicted.prefill_chunk})", file=sys.stderr)
     assert target.layer_devices == [torch.device(d) for d in split.layer_devices], "the builder split differently"
+    assert [(s.start, s.end) for s in target.stages] == [(s.start, s.end) for s in split.stages], "the stages differ"
 
     rows = []  # (component, gpu, planned, measured, exact)
     for g in gpus:
         rows += [(c, g, planned[g][c], measured[g][c], True) for c in EXACT]
     if not a.no_activations:
-        got = measure_phases(target, drafter, gpus, a.prompt_tokens, max_len, a.verify_nodes, chunk, path == "math")
+        got = measure_phases(dec, gpus, a.prompt_tokens, a.verify_nodes, chunk, path == "math")
         for g in gpus:
             rows += [(f"~ {k}", g, split.phases[g][PLAN_PHASE[k]], got[g][k], False) for k in PHASES]
     del deferred
@@ -257,8 +291,8 @@ def main():
     doc = {"prompt_tokens": a.prompt_tokens, "max_length": max_len, "devices": devices, "attention": path,
            "fla": uses_fla, "prefill_chunk": chunk, "free_before_prefill": free,
            "plan_prefill_chunk": predicted.prefill_chunk, "verify_nodes": a.verify_nodes,
-           "dtype": "bfloat16", "torch": torch.__version__, "options": options.to_dict(),
-           "gpus": {g: torch.cuda.get_device_name(g) for g in gpus},
+           "dtype": str(dtype).replace("torch.", ""), "tiny": a.tiny, "torch": torch.__version__,
+           "options": options.to_dict(), "gpus": {g: torch.cuda.get_device_name(g) if _cuda(g) else g for g in gpus},
            "layers": [[s.start, s.end] for s in split.stages], "drafter_device": split.drafter_device,
            "rows": [dict(component=c, device=g, planned=p, measured=m, ratio=(m / p if p else None), exact=e)
                     for c, g, p, m, e in rows]}
@@ -268,13 +302,16 @@ def main():
         print(f"wrote {a.out}", file=sys.stderr)
 
     def flag(c, g, p, m, e) -> str:
+        if not _cuda(g):
+            return ""  # nothing measured on the CPU
         if e:
             return "" if (p == m == 0) or (p and 0.95 <= m / p <= 1.05) else "  OFF"
         return "  UNDER" if m > p else ""
 
-    print(f"\nmemory plan vs measured: Qwen3.6-27B + DFlash, bf16, --max-length {max_len}, a {a.prompt_tokens}-token "
-          f"prefill in chunks of {chunk}, verify of {a.verify_nodes}, SDPA {path} (~ rows: estimates vs measured peaks; "
-          "ratio = measured / planned)")
+    what = "the tiny random pair, float32" if a.tiny else "Qwen3.6-27B + DFlash, bf16"
+    print(f"\nmemory plan vs measured: {what}, --max-length {max_len}, a {a.prompt_tokens}-token "
+          f"prefill in chunks of {chunk}, verify of {a.verify_nodes}, attention {path} (~ rows: estimates vs measured "
+          "peaks; ratio = measured / planned)" + ("; CPU: nothing measured (a dry run)" if not on_cuda else ""))
     print(f"{'component':<22}{'device':<8}{'planned GiB':>12}{'measured GiB':>14}{'ratio':>8}")
     for r in rows:
         c, g, p, m, e = r

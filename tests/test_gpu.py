@@ -5,7 +5,8 @@ import torch
 
 from ddtree.decode.decoder import Decoder
 from ddtree.decode.sampling import SamplingParams
-from ddtree.model.synthetic import build_random_pair, hf_reference, tiny_hybrid_config, build_random_target
+from ddtree.decode.random_pair import build_random_pair
+from ddtree.model.synthetic import hf_reference, tiny_hybrid_config, build_random_target
 from ddtree.ops.tree import build_tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -157,7 +158,7 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
     one = Decoder(*build_random_on_devices(raw_t, raw_d, ["cuda:0"], torch.float32, 512, seed=3))
     t2, d2 = build_random_on_devices(raw_t, raw_d, ["cuda:0", "cuda:1"], torch.float32, 512, seed=3)
     assert {str(d) for d in t2.layer_devices} == {"cuda:0", "cuda:1"}
-    split = Decoder(t2, d2, use_graphs=True)  # (a split graphs only when asked: options.split_graphs)
+    split = Decoder(t2, d2)  # a split on CUDA runs graphed segments by default (options.split_graphs)
     assert split.use_graphs and split.compile, "a split runs graphed segments over compiled layers"
     eager = Decoder(t2, d2, use_graphs=False)
     assert not eager.use_graphs and eager.compile, "its twin: eager rounds over compiled layers"

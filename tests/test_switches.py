@@ -18,10 +18,11 @@ def test_defaults_and_environment():
     o = Options.from_env({})
     assert o == Options()
     got = Options.from_env({"DDTREE_NO_COMPILE": "1", "DDTREE_TRITON_TREE": "1", "DDTREE_TREE_PROLOGUE": "0",
-                            "DDTREE_HOST_ROUNDS": "1", "DDTREE_ATTENTION": "sdpa", "DDTREE_SPLIT_GRAPHS": "1"})
+                            "DDTREE_HOST_ROUNDS": "1", "DDTREE_ATTENTION": "sdpa", "DDTREE_EAGER_SPLIT": "1"})
     assert (got.compile, got.tree_kernel, got.tree_prologue, got.host_rounds, got.attention, got.split_graphs) == \
-        (False, "on", 0, True, "sdpa", True)
+        (False, "on", 0, True, "sdpa", False)
     assert Options.from_env({"DDTREE_NO_COMPILE": "0"}).compile  # only =1 turns it off
+    assert Options().split_graphs and Options.from_env({"DDTREE_EAGER_SPLIT": "0"}).split_graphs  # graphed by default
 
 
 @pytest.mark.parametrize("env,value", [("DDTREE_TRITON_TREE", "maybe"), ("DDTREE_TREE_PROLOGUE", "-3"),

@@ -166,32 +166,14 @@ def run_bench(
     meths = parse_methods(methods)
     buds = parse_budgets(budgets) if "ddtree" in meths else []
     max_new_tokens = positive_int(max_new_tokens, "--max-new-tokens")
-    if max_length is not None:
-        positive_int(max_length, "--max-length")
-    if prompt_tokens is not None:
-        positive_int(prompt_tokens, "--prompt-tokens")
-    tp = positive_int(tp, "--tp")
-    if warmup is None or isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise DDTreeError(f"--warmup {warmup!r} must be 0 or a positive integer")
-    S.check_sampling(float(temperature), float(top_p), int(top_k))
-    S.check_dtype(dtype)
-    S.check_devices(devices)
-    if tp > 1 and "auto" in buds:
-        raise DDTreeError("--budgets auto is not supported with --tp yet: pass numbers, e.g. --budgets 16,32")
+    tp = _check_bench(opts, dtype, devices, max_length, warmup, "auto" in buds)
     out_path = S.check_output(out, "--out") if out is not None else None
     need_drafter = any(m != "ar" for m in meths)
     S.precheck_model(target, "target")
     if need_drafter:
         S.precheck_model(drafter, "drafter")
     plist = load_prompts(str(prompts), limit)
-    if "budgets" in given and "ddtree" not in meths:
-        S.warn_ignored("--budgets", "--methods has no ddtree")
-    if "top1_first" in given and "ddtree" not in meths:
-        S.warn_ignored("--top1-first", "it shapes ddtree's trees, and --methods has no ddtree")
-    if float(temperature) == 0:
-        for name in ("top_p", "top_k", "seed"):
-            if name in given:
-                S.warn_ignored(BY_NAME[name].flag, "--temperature 0 is greedy")
+    _warn_bench(given, meths, temperature)
 
     # ---- configs, tokenizer, prompts
     spec = inspect_models(target, drafter, devices, dtype, need_drafter)
@@ -234,6 +216,36 @@ def run_bench(
     if print_table:
         print(format_table(doc), flush=True)
     return doc
+
+
+def _check_bench(opts: dict, dtype, devices, max_length, warmup, auto: bool) -> int:
+    """bench's value checks that need no torch (one error line each), in the order of the
+    options; opts: run_bench's. -> --tp as an int."""
+    if max_length is not None:
+        positive_int(max_length, "--max-length")
+    if opts["prompt_tokens"] is not None:
+        positive_int(opts["prompt_tokens"], "--prompt-tokens")
+    tp = positive_int(opts["tp"], "--tp")
+    if warmup is None or isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise DDTreeError(f"--warmup {warmup!r} must be 0 or a positive integer")
+    S.check_sampling(float(opts["temperature"]), float(opts["top_p"]), int(opts["top_k"]))
+    S.check_dtype(dtype)
+    S.check_devices(devices)
+    if tp > 1 and auto:
+        raise DDTreeError("--budgets auto is not supported with --tp yet: pass numbers, e.g. --budgets 16,32")
+    return tp
+
+
+def _warn_bench(given: frozenset, meths: list, temperature) -> None:
+    """One warning line per option named on the command line that has no effect here."""
+    if "budgets" in given and "ddtree" not in meths:
+        S.warn_ignored("--budgets", "--methods has no ddtree")
+    if "top1_first" in given and "ddtree" not in meths:
+        S.warn_ignored("--top1-first", "it shapes ddtree's trees, and --methods has no ddtree")
+    if float(temperature) == 0:
+        for name in ("top_p", "top_k", "seed"):
+            if name in given:
+                S.warn_ignored(BY_NAME[name].flag, "--temperature 0 is greedy")
 
 
 class _Bench:

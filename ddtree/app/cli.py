@@ -381,31 +381,11 @@ def _warn_sampling(opts: dict, given: frozenset) -> None:
 
 def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[str] = None) -> list:
     """`ddtree generate` after option merging; returns the GenerationRecords."""
-    import importlib.util
-
     from ddtree.app import setup as S
     from ddtree.decode.startup import process_age_s
 
     t_entry, age = time.perf_counter(), process_age_s() or 0.0  # the start-up line counts from the command
-    # ---- every check that needs no torch, before any heavy import
-    method = S.parse_method(opts["method"], bool(opts["drafter"]))
-    budget = S.parse_budget(opts["budget"])  # checked even where the method ignores it
-    budget = budget if method == "ddtree" else None
-    S.check_sampling(float(opts["temperature"]), float(opts["top_p"]), int(opts["top_k"]))
-    S.check_dtype(opts["dtype"])
-    S.check_devices(opts["devices"])
-    tp = int(opts["tp"])
-    if method != "ar" and not opts["drafter"]:
-        raise DDTreeError(f"--method {method} needs a drafter: pass --drafter REF (e.g. z-lab/Qwen3.6-27B-DFlash) or use --method ar")
-    if tp > 1:
-        if importlib.util.find_spec("ddtree.parallel.tp") is None:
-            raise DDTreeError("tensor parallelism not available in this build: drop --tp, or split layers with --devices cuda:0,cuda:1")
-        if budget == "auto":
-            raise DDTreeError("--budget auto is not supported with --tp yet: pass a number, e.g. --budget 32")
-    stats_path = S.check_output(opts["stats_json"], "--stats-json") if opts["stats_json"] is not None else None
-    S.precheck_model(opts["target"], "target")
-    if method != "ar":
-        S.precheck_model(opts["drafter"], "drafter")
+    method, budget, tp, stats_path = _check_generate(S, opts)  # every check that needs no torch, first
     prompts_spec = opts["prompts"] if prompt is None else None
     prompts = _read_prompts(prompt, prompts_spec, opts["limit"])
     _warn_generate(opts, given, method, prompt)
@@ -475,27 +455,61 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
                 )
                 done(p, rec, streamer)
     except KeyboardInterrupt:
-        cut = current.get("p")
-        if cut is not None:
-            current["streamer"].finish()
-            if jsonl:
-                _print_jsonl(_jsonl_record(cut, None, current["streamer"], current["n"]))
-            print(_partial_line(cut, current["n"], current["streamer"], label), file=sys.stderr, flush=True)
-        if stats_path is not None:
-            if records:
-                doc = _generate_document(S, spec, dict(opts, prompts=prompts_spec), method, budget, records, max_len, paths,
-                                         interrupted=True, interrupted_prompt=cut.id if cut is not None else None)
-                S.write_document(doc, stats_path, "--stats-json")
-            elif tp > 1:  # the workers hand their records back at the end
-                logger.warning("interrupted: under --tp no record comes back before the last prompt, --stats-json not written")
-            else:
-                logger.warning("no prompt finished before the interrupt: --stats-json not written")
+        _keep_interrupted(S, spec, dict(opts, prompts=prompts_spec), method, budget, records, max_len, paths, current,
+                          label, stats_path, tp)
         raise
 
     if stats_path is not None:
         doc = _generate_document(S, spec, dict(opts, prompts=prompts_spec), method, budget, records, max_len, paths)
         S.write_document(doc, stats_path, "--stats-json")
     return records
+
+
+def _keep_interrupted(S, spec, opts: dict, method: str, budget, records: list, max_len: int, paths: dict,
+                      current: dict, label: str, stats_path, tp: int) -> None:
+    """Ctrl-C in generate: the cut prompt's text and summary so far, and the finished prompts'
+    statistics (opts: with the prompt set's spec under "prompts")."""
+    cut = current.get("p")
+    if cut is not None:
+        current["streamer"].finish()
+        if bool(opts["jsonl"]):
+            _print_jsonl(_jsonl_record(cut, None, current["streamer"], current["n"]))
+        print(_partial_line(cut, current["n"], current["streamer"], label), file=sys.stderr, flush=True)
+    if stats_path is not None:
+        if records:
+            doc = _generate_document(S, spec, opts, method, budget, records, max_len, paths,
+                                     interrupted=True, interrupted_prompt=cut.id if cut is not None else None)
+            S.write_document(doc, stats_path, "--stats-json")
+        elif tp > 1:  # the workers hand their records back at the end
+            logger.warning("interrupted: under --tp no record comes back before the last prompt, --stats-json not written")
+        else:
+            logger.warning("no prompt finished before the interrupt: --stats-json not written")
+
+
+def _check_generate(S, opts: dict) -> tuple:
+    """generate's checks that need no torch, before any heavy import -> (method, budget (None
+    unless ddtree), tensor-parallel ranks, the --stats-json path | None)."""
+    import importlib.util
+
+    method = S.parse_method(opts["method"], bool(opts["drafter"]))
+    budget = S.parse_budget(opts["budget"])  # checked even where the method ignores it
+    budget = budget if method == "ddtree" else None
+    S.check_sampling(float(opts["temperature"]), float(opts["top_p"]), int(opts["top_k"]))
+    S.check_dtype(opts["dtype"])
+    S.check_devices(opts["devices"])
+    tp = int(opts["tp"])
+    if method != "ar" and not opts["drafter"]:
+        raise DDTreeError(f"--method {method} needs a drafter: pass --drafter REF (e.g. z-lab/Qwen3.6-27B-DFlash) or use --method ar")
+    if tp > 1:
+        if importlib.util.find_spec("ddtree.parallel.tp") is None:
+            raise DDTreeError("tensor parallelism not available in this build: drop --tp, or split layers with --devices cuda:0,cuda:1")
+        if budget == "auto":
+            raise DDTreeError("--budget auto is not supported with --tp yet: pass a number, e.g. --budget 32")
+    stats_path = S.check_output(opts["stats_json"], "--stats-json") if opts["stats_json"] is not None else None
+    S.precheck_model(opts["target"], "target")
+    if method != "ar":
+        S.precheck_model(opts["drafter"], "drafter")
+    return method, budget, tp, stats_path
 
 
 def _generate_document(S, spec, opts, method, budget, records, max_len, paths, interrupted=False, interrupted_prompt=None):

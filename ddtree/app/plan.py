@@ -137,7 +137,7 @@ def check_fits(plan: MemoryPlan) -> None:
     if plan.largest is not None:
         raise DDTreeError(
             f"{need}: the largest --max-length that fits these devices is {plan.largest}; pass --max-length "
-            f"{plan.largest} or less, or add a device (--devices) / use GPUs with more memory"
+            f"{plan.largest} or less, or add a device (--devices) / use GPUs with more memory{_eager_hint(plan)}"
         )
     n = _gpus_needed(plan)
     cap = _gib(max(plan.capacities.values()))
@@ -152,6 +152,16 @@ def check_fits(plan: MemoryPlan) -> None:
 # ============================================================================================
 # the table
 # ============================================================================================
+
+
+def _eager_hint(plan: MemoryPlan) -> str:
+    """Where a graphed split's graph pools are what does not fit: the eager split's switch."""
+    split = plan.split
+    wl = split.workload
+    if len(split.devices) < 2 or not graphs_on(wl, split.devices):
+        return ""
+    eager = place(plan.target_cfg, plan.drafter_cfg, split.devices, replace(wl, graphs=False), plan.capacities)
+    return ", or run the eager split (no CUDA-graph pools) with DDTREE_EAGER_SPLIT=1" if eager.fits else ""
 
 
 def _gib(n: int) -> str:

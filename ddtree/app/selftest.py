@@ -39,7 +39,7 @@ def run_selftest(opts: dict, stage: Callable[[str], None]) -> None:
 def _selftest(dev, n_new: int, stage: Callable[[str], None], options=None) -> None:
     import torch
 
-    from ddtree.model.synthetic import build_random_pair
+    from ddtree.decode.random_pair import build_random_pair
     from ddtree.stats import aggregate
 
     t0 = time.perf_counter()

@@ -83,9 +83,9 @@ class Decoder:
     """Runs `ar`, `dflash` or `ddtree` on a loaded target (+ drafter); see the module docstring.
 
     options: the engine switches (ddtree.options; default: Options()). use_graphs: CUDA graphs
-    (default: on CUDA; a split target's pieces are captured as one segment per stage visit, and
-    use_graphs=False keeps the eager split, their twin). compile: compiled layers (default: where
-    rounds are graphed or split over GPUs, unless options.compile is off). bucket: context-length
+    (default: on CUDA, a split's pieces as one segment per stage visit unless options.split_graphs
+    is off; False: the eager split, their twin). compile: compiled layers (default: where rounds
+    are graphed or split over GPUs, unless options.compile is off). bucket: context-length
     granularity of the graph keys."""
 
     chooser_class = BudgetChooser  # --budget auto's cost model (tests substitute a forced one)
@@ -99,8 +99,8 @@ class Decoder:
         self.home = target.home  # the stage of the slots, the walk and the packet (the lm_head's)
         dev = self.device = target.out_device
         cuda = all(st.device.type == "cuda" for st in target.stages)
-        # A split's pieces are graphed in segments, one per stage visit (ddtree.decode.graphs), when
-        # options.split_graphs: opt-in until it is measured on GPUs; its twin, the eager split, is the default.
+        # A split's pieces are graphed in segments, one per stage visit (ddtree.decode.graphs), unless
+        # options.split_graphs is off (DDTREE_EAGER_SPLIT=1: the eager split, their twin).
         split = len(target.stages) > 1
         self.use_graphs = (cuda and (not split or self.options.split_graphs)) if use_graphs is None else use_graphs
         self.bucket = bucket

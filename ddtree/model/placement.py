@@ -37,7 +37,7 @@ class Workload:
     fla: bool = True  # the prefill's GDN chain through fla's chunk kernel (Kernels.fla); False: gdn.chain_chunked
     deferred: bool = False  # --budget auto: its DeferredContext on the drafter's device
     verify_nodes: int = 33  # nodes of the largest tree verified (budget + root; --budget 32 by default)
-    graphs: bool | None = None  # CUDA graphs: None = the Decoder's rule (one GPU; a split with DDTREE_SPLIT_GRAPHS=1)
+    graphs: bool | None = None  # CUDA graphs: None = the Decoder's rule (on CUDA; a split unless DDTREE_EAGER_SPLIT=1)
     graph_buckets: int = 2  # context buckets whose captured graphs are alive at once (see gpu_rows)
     workspace: int = GiB  # per GPU: cuBLAS / cuDNN workspaces, Triton and inductor kernel images
     slack: float = 0.02  # per GPU, of everything else: allocator rounding and fragmentation
@@ -51,8 +51,8 @@ def gpu_of(device: str) -> str:
 
 
 def graphs_on(wl: Workload, devices: Sequence[Any]) -> bool:
-    """Whether rounds run as CUDA graphs: as the Decoder decides, on CUDA devices; a split only
-    with DDTREE_SPLIT_GRAPHS=1 (its pieces graphed in segments, each GPU holding its segments' pools)."""
+    """Whether rounds run as CUDA graphs: as the Decoder decides, on CUDA devices; a split in
+    segments (each GPU holding its segments' pools) unless DDTREE_EAGER_SPLIT=1."""
     if wl.graphs is not None:
         return wl.graphs
     from ddtree.options import Options

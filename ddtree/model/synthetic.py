@@ -1,8 +1,9 @@
 """Tiny random models for tests, the selftest and benchmarks (no download).
 
-`tiny_hybrid_config` / `tiny_dense_config` give HF-style config dicts; `build_random_pair` makes
-our target (+ optional drafter) with random weights; `hf_reference` builds transformers' own
-model on the same weights for parity tests.
+`tiny_hybrid_config` / `tiny_dense_config` give HF-style config dicts; `build_random_target` /
+`build_random_drafter` make our target and drafter with random weights (`build_random_on_devices`
+at full size, placed), and `ddtree.decode.random_pair.build_random_pair` wires a tiny pair into a
+Decoder; `hf_reference` builds transformers' own model on the same weights for parity tests.
 """
 
 from __future__ import annotations
@@ -219,16 +220,6 @@ def build_random_drafter(draft_raw: dict, target, device="cpu", dtype=torch.floa
     d.to(device=device, dtype=dtype)
     d.allocate_state(max_len)
     return d
-
-
-def build_random_pair(kind="hybrid", seed=0, dtype=torch.float32, device="cpu", max_len=512, options=None, **kw):
-    """A tiny random target + drafter pair wired into a Decoder (options: ddtree.options.Options)."""
-    from ddtree.decode.decoder import Decoder
-
-    raw = tiny_hybrid_config(**kw) if kind == "hybrid" else tiny_dense_config(**kw)
-    target = build_random_target(raw, device=device, dtype=dtype, seed=seed, max_len=max_len)
-    draft = build_random_drafter(tiny_drafter_config(raw), target, device=device, dtype=dtype, seed=seed + 1, max_len=max_len)
-    return Decoder(target, draft, options=options), raw
 
 
 @torch.no_grad()

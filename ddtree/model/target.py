@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddtree.ops import commit as commit_kernels
-from ddtree.ops import attention, gdn, gdn_step, gdn_tree
+from ddtree.ops import attention, fla, gdn, gdn_step, gdn_tree
 from ddtree.ops.dispatch import REFERENCE, Kernels, resolve
 from ddtree.model.config import TargetConfig
 from ddtree.model.stages import Stage, StageHook, stages_of
@@ -355,7 +355,7 @@ class Chunk:
 tree_attention = torch.compiler.disable(attention.tree_attention)
 # The prefill's own kernels (flash-class attention, fla's chunk recurrence) choose backends and
 # shapes on the host: compiled prefill layers run them eagerly between their fused pieces.
-chain_final = torch.compiler.disable(gdn.chain_final)
+chain_final = torch.compiler.disable(fla.chain_final)
 
 
 @torch.compiler.disable

@@ -555,33 +555,12 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     allocate the counters.
     -> o [T, H, D] in q's dtype (fp32 accumulation)."""
     T, H, D = q.shape
-    N, KVH, _ = k_cache.shape
-    assert H % KVH == 0 and k_cache.shape == v_cache.shape and k_cache.shape[-1] == D
-    assert D >= 16 and D & (D - 1) == 0, f"head dim {D}: a power of two >= 16"
-    assert T <= kv_len <= N, (T, kv_len, N)
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert fused in FUSED_BACKENDS, fused
-    assert merge in MERGES, merge
-    G = H // KVH
-    dev = q.device
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    if not torch.is_tensor(start):  # a host int (prefill): one small copy, not for graphed rounds
-        start = torch.tensor(int(start), device=dev)
-    assert start.device == dev and start.numel() == 1 and not start.is_floating_point()
-    if isinstance(tree_mask, str):
-        mode, tm = {"causal": 1, "full": 2}[tree_mask], q
-    else:
-        assert tree_mask.shape == (T, T) and tree_mask.device == dev, (tree_mask.shape, tree_mask.device)
-        mode, tm = 0, tree_mask.to(torch.bool).contiguous().view(torch.int8)
-    if window is not None:
-        q_pos = start + torch.arange(T, device=dev) if q_pos is None else q_pos.contiguous()
-        assert q_pos.shape == (T,) and q_pos.device == dev
-    if out is None:
-        out = torch.empty(T, H, D, dtype=q.dtype, device=dev)
-    assert out.shape == (T, H, D) and out.stride(-1) == 1
+    KVH = k_cache.shape[1]
+    q, start, mode, tm, q_pos, out = _tree_inputs(q, k_cache, v_cache, start, tree_mask, kv_len, q_pos, window, out,
+                                                  fused, merge)
+    G, dev = H // KVH, q.device
     rows = T * G  # query rows per KV head
     sc_nat = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    sc = sc_nat * LOG2E
     read_len = kv_len if window is None else min(kv_len, int(window))
     pre = _fused_prefix(q, k_cache, v_cache, min(int(floor), kv_len - T), fused, window, sc_nat)
     lo = 0
@@ -598,28 +577,20 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     merge_kern = _kernel(_attn_merge_kernel, interpret=not q.is_cuda)
     err = None
     for tt in todo or [Tiles(16, 16, 4, 1)]:
-        ns = num_splits(read_len, rows, KVH, tt.bm, _sm_count(dev)) if splits is None else int(splits)
-        if splits is None and q.dtype == torch.float32:  # fp32: a program's online softmax over at most
-            ns = max(ns, min(128, read_len // FP32_SPLIT_KEYS))  # FP32_SPLIT_KEYS keys keeps its rounding near the twin's
-        ns = 0 if ns <= 1 else ns
-        if pre is not None:
-            ns = max(ns, 1)  # partials for the merge with the fused prefix's
+        ns = _split_count(read_len, rows, KVH, tt.bm, q, splits, pre is not None)
+        ws_acc = ws_ml = out  # unused without splits
         cnt = None
         if ns:
             ws_acc = _workspace(ns * KVH * rows * D, dev)  # [NS, KVH, rows, D]
             ws_ml = _workspace(2 * ns * KVH * rows, dev)  # m then l: [2, NS, KVH, rows]
             bmm = max(2, min(4096 // D, _pow2(rows)))  # the merge kernel's rows a program
-            if merge == "last" or (merge == "auto" and _cdiv(rows, tt.bm) >= _cdiv(rows, bmm)):
-                cnt = _counters(dev, _cdiv(rows, tt.bm) * KVH)
-                assert cnt is not None or merge == "auto", "merge='last': no counters (grid too large, or first use in a capture)"
-        else:
-            ws_acc = ws_ml = out  # unused
+            cnt = _merge_counters(merge, rows, tt.bm, bmm, KVH, dev)
         try:
             with _on_device_of(q):
                 kern[(_cdiv(rows, tt.bm), max(ns, 1), KVH)](
                     q, k_cache, v_cache, start, tm, start if q_pos is None else q_pos, out, ws_acc, ws_ml,
                     out if cnt is None else cnt,
-                    T, kv_len, int(window or 0), lo, max(ns, 1), sc,
+                    T, kv_len, int(window or 0), lo, max(ns, 1), sc_nat * LOG2E,
                     q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                     v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), *x_args,
                     G=G, D=D, BM=tt.bm, BN=tt.bn, TREE=mode, WINDOW=window is not None, TWO_SIDED=not causal,
@@ -636,6 +607,60 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
             _BAD.add((tt, key))
             err = e
     raise err
+
+
+def _tree_inputs(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos, window, out, fused: str, merge: str):
+    """tree_attention's checks, and its inputs in the kernel's forms -> (q with unit last stride,
+    start as a 0-dim device tensor, the mask mode (0 tree, 1 causal, 2 full) and its int8 [T, T]
+    tensor (q where unused), q_pos [T] | None, out [T, H, D])."""
+    T, H, D = q.shape
+    N, KVH, _ = k_cache.shape
+    assert H % KVH == 0 and k_cache.shape == v_cache.shape and k_cache.shape[-1] == D
+    assert D >= 16 and D & (D - 1) == 0, f"head dim {D}: a power of two >= 16"
+    assert T <= kv_len <= N, (T, kv_len, N)
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert fused in FUSED_BACKENDS, fused
+    assert merge in MERGES, merge
+    dev = q.device
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if not torch.is_tensor(start):  # a host int (prefill): one small copy, not for graphed rounds
+        start = torch.tensor(int(start), device=dev)
+    assert start.device == dev and start.numel() == 1 and not start.is_floating_point()
+    if isinstance(tree_mask, str):
+        mode, tm = {"causal": 1, "full": 2}[tree_mask], q
+    else:
+        assert tree_mask.shape == (T, T) and tree_mask.device == dev, (tree_mask.shape, tree_mask.device)
+        mode, tm = 0, tree_mask.to(torch.bool).contiguous().view(torch.int8)
+    if window is not None:
+        q_pos = start + torch.arange(T, device=dev) if q_pos is None else q_pos.contiguous()
+        assert q_pos.shape == (T,) and q_pos.device == dev
+    if out is None:
+        out = torch.empty(T, H, D, dtype=q.dtype, device=dev)
+    assert out.shape == (T, H, D) and out.stride(-1) == 1
+    return q, start, mode, tm, q_pos, out
+
+
+def _split_count(read_len: int, rows: int, KVH: int, bm: int, q: torch.Tensor, splits: int | None,
+                 prefix: bool) -> int:
+    """Programs the prefix read is split over for one m-tile and KV head (0: one program does all
+    and writes o itself). splits: the caller's count, else num_splits' rule; prefix: a fused
+    prefix's partials are merged in, so at least one split."""
+    ns = num_splits(read_len, rows, KVH, bm, _sm_count(q.device)) if splits is None else int(splits)
+    if splits is None and q.dtype == torch.float32:  # fp32: a program's online softmax over at most
+        ns = max(ns, min(128, read_len // FP32_SPLIT_KEYS))  # FP32_SPLIT_KEYS keys keeps its rounding near the twin's
+    ns = 0 if ns <= 1 else ns
+    return max(ns, 1) if prefix else ns
+
+
+def _merge_counters(merge: str, rows: int, bm: int, bmm: int, KVH: int, dev) -> torch.Tensor | None:
+    """The arrival counters when the last split of each (m-tile, KV head) merges the partials
+    (merge "last", or "auto" where the m-tiles are no wider than the merge kernel's bmm rows),
+    else None: the merge kernel does it."""
+    if not (merge == "last" or (merge == "auto" and _cdiv(rows, bm) >= _cdiv(rows, bmm))):
+        return None
+    cnt = _counters(dev, _cdiv(rows, bm) * KVH)
+    assert cnt is not None or merge == "auto", "merge='last': no counters (grid too large, or first use in a capture)"
+    return cnt
 
 
 # ----------------------------------------------------------------------------- prefill

@@ -36,7 +36,7 @@ TREE_TILE = 2048
 # (scripts/bench_verify.py --parts core, results/verify-core-2pass-h200.json); the one-pass kernel
 # before it (16-node blocks solved in order) took 16.7 / 43.3 / 62.3 there and 74.3 at 65 nodes,
 # whose ddtree-64 round (23.07 ms) beat the compiled tree_wy's (24.26; results/engine-long-h200.json).
-# Without the fold, 65 nodes (5 blocks) had lost 2.4 ms a round (results/engine-blocked65-h200.log);
+# Without the fold, 65 nodes (5 blocks) had lost 2.4 ms a round (`git show 7b04cc0:results/engine-blocked65-h200.log`);
 # past 65 nodes the blocks are unmeasured in the engine.
 TREE_BLOCKED_MAX_NODES = 65
 # The one-tile kernel takes the prologue inside up to this many nodes: with tree_kernel=on, 65 to

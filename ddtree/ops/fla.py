@@ -1,9 +1,11 @@
-"""flash-linear-attention's chunk kernel for prefill chains (optional; fla has no tree kernel).
+"""flash-linear-attention's chunk kernel for prefill chains (optional; fla has no tree kernel),
+and the prefill chain's choice between it and its torch twin (`chain_final`).
 
 `fla_chain` runs `fla.ops.gated_delta_rule.chunk_gated_delta_rule` on a chain and returns what
 `ddtree.ops.gdn.chain_chunked` (its twin) returns. Whether fla imports, and whether it agrees with
 the twin for a dtype on a device, is checked once per process on a random problem
-(`_checked`), so a version that does not run or disagrees is never used.
+(`_checked`), so a version that does not run or disagrees is never used. This module imports
+ddtree.ops.gdn; gdn never imports it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,19 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from ddtree.ops.gdn import chain_chunked, gdn_gates, l2norm
+
+
+def chain_final(q, k, v, g, beta, S0, use_fla: bool = False, chunk: int = 64):
+    """A chain (a prefill chunk of T tokens): outputs and the final state, through fla's chunk
+    kernel when `use_fla` and it is usable here, else `gdn.chain_chunked`.
+    -> (o [T, H, dv] fp32, final [H, dk, dv] fp32)."""
+    if use_fla:
+        r = fla_chain(q, k, v, g, beta, S0)
+        if r is not None:
+            return r
+    return chain_chunked(q, k, v, g, beta, S0, chunk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,8 +49,6 @@ def _run(fn, q, k, v, g, beta, S0):
 def _checked(device: torch.device, dtype: torch.dtype, H: int, dk: int, dv: int) -> bool:
     """Does fla run here and match the torch twin on a random 200-token chain (dtype's values)?"""
     from loguru import logger
-
-    from ddtree.ops.gdn import chain_chunked, gdn_gates, l2norm
 
     fn = _kernel()
     if fn is None:

@@ -201,19 +201,6 @@ def conv_reference(ext: torch.Tensor, parents: torch.Tensor, weight: torch.Tenso
     return torch.stack(out).to(ext.dtype)
 
 
-def chain_final(q, k, v, g, beta, S0, use_fla: bool = False, chunk: int = 64):
-    """A chain (a prefill chunk of T tokens): outputs and the final state, through fla's chunk
-    kernel when `use_fla` and it is usable (ddtree.ops.fla), else `chain_chunked`.
-    -> (o [T, H, dv] fp32, final [H, dk, dv] fp32)."""
-    if use_fla:
-        from ddtree.ops.fla import fla_chain
-
-        r = fla_chain(q, k, v, g, beta, S0)
-        if r is not None:
-            return r
-    return chain_chunked(q, k, v, g, beta, S0, chunk)
-
-
 def chain_chunked(q, k, v, g, beta, S0, chunk: int = 64):
     """A chain in chunks of `chunk` tokens: tree_wy over each chunk's lower-triangular mask, the
     state carried from chunk to chunk (fla's chunk algorithm in torch ops; memory O(H chunk^2),

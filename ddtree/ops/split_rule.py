@@ -35,9 +35,9 @@ def num_splits(read_len: int, rows: int, kv_heads: int, bm: int, sms: int, per_s
 FUSED_TILE_ROWS = 128
 # Query rows per KV head (T * G) below which the split-KV kernel reads the whole prefix. An AR
 # step (6 rows) gains nothing: at 128K cuDNN's batched call alone takes its prefix in 0.128 ms a
-# layer (results/verify-paths-ar-h200.json), but with the remainder's kernel and the merge the
-# whole call takes 0.162 against 0.141 for the split-KV kernel merging in its last split
-# (results/verify-merge-h200.json).
+# layer (`git show 7b04cc0:results/verify-paths-ar-h200.json`), but with the remainder's kernel
+# and the merge the whole call takes 0.162 against 0.141 for the split-KV kernel merging in its
+# last split (results/verify-merge-h200.json).
 FUSED_MIN_ROWS = 64
 FUSED_MIN_KEYS = 16384  # a fused prefix shorter than this is left to the split-KV kernel
 FUSED_MIN_RANGE = 1024  # keys per range at least

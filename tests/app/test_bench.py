@@ -195,7 +195,7 @@ def test_divergence_reports_first_difference_and_logit_gap(one_thread):
     import torch
 
     from ddtree.app.bench import divergence
-    from ddtree.model.synthetic import build_random_pair
+    from ddtree.decode.random_pair import build_random_pair
 
     dec, _ = build_random_pair("hybrid", 3)
     prompt = [5, 9, 11, 40, 2]

@@ -63,17 +63,17 @@ def test_selftest_subprocess():
 def test_selftest_takes_the_switches(monkeypatch, capsys):
     """`ddtree selftest` decodes with the DDTREE_* switches of the environment (here the host-tree
     round loop and the dense-mask attention twin), names them in its header, and still passes."""
-    import ddtree.model.synthetic as synthetic
+    import ddtree.decode.random_pair as random_pair
     from ddtree.app.selftest import run_selftest
 
     seen = []
-    real = synthetic.build_random_pair
+    real = random_pair.build_random_pair
 
     def spy(*a, **kw):
         seen.append(kw.get("options"))
         return real(*a, **kw)
 
-    monkeypatch.setattr(synthetic, "build_random_pair", spy)
+    monkeypatch.setattr(random_pair, "build_random_pair", spy)
     monkeypatch.setenv("DDTREE_HOST_ROUNDS", "1")
     monkeypatch.setenv("DDTREE_ATTENTION", "sdpa")
     run_selftest({"devices": "cpu", "max_new_tokens": 12}, lambda s: None)
@@ -542,3 +542,28 @@ def test_generate_budget_auto_stats_plot(tiny_pair, tmp_path):
     r = invoke("plot", stats)
     assert r.exit_code == 0, r.stderr
     assert len(r.stdout.splitlines()) == 3 and str(tmp_path / "auto-plots") in r.stdout
+
+
+def split_paths(tiny_pair, tmp_path, devices: str, monkeypatch, eager: bool) -> dict:
+    """generate over a layer split (`--devices` with two entries) -> the statistics' decoder paths."""
+    if eager:
+        monkeypatch.setenv("DDTREE_EAGER_SPLIT", "1")
+    else:
+        monkeypatch.delenv("DDTREE_EAGER_SPLIT", raising=False)
+    stats = tmp_path / f"split-{eager}.json"
+    args = tiny_args(tiny_pair, "ddtree", 6)
+    args[args.index("--devices") + 1] = devices
+    r = invoke("generate", *args, "--budget", "4", "--dtype", "float32", "--stats-json", stats, "hello")
+    assert r.exit_code == 0, r.stderr
+    return read_json(stats)["metadata"]
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_split_default_on_cpu_is_the_eager_twin(tiny_pair, tmp_path, monkeypatch, eager):
+    """--devices cpu,cpu: the graphed split is the default switch (DDTREE_EAGER_SPLIT=1 turns it
+    off), but a CPU has no CUDA graphs, so both run the eager split (tests/decode/test_split_gpu.py
+    checks the graphed path on CUDA)."""
+    meta = split_paths(tiny_pair, tmp_path, "cpu,cpu", monkeypatch, eager)
+    assert meta["devices"] == ["cpu", "cpu"]
+    assert meta["options"]["split_graphs"] is (not eager)
+    assert meta["cuda_graphs"] is False

@@ -6,8 +6,10 @@ chunks the engine picks from the first GPU's free memory, its GDN chain through 
   2 x 48 GiB, the split-KV attention kernel (the engine's verify and draft wherever Triton runs,
     and the default with --gpu-memory): the model's whole 262144 fits.
   2 x 48 GiB, torch's math SDPA for the verify's and draft's masked attention (its fallback, e.g.
-    DDTREE_ATTENTION=sdpa on an RTX A6000): 128K fits, up to --max-length 149504 (past it, the
-    verify's fp32 K/V expanded to the query heads outgrow a GPU: ~10 GiB at 128K).
+    DDTREE_ATTENTION=sdpa on an RTX A6000), the eager split (DDTREE_EAGER_SPLIT=1): 128K fits, up to
+    --max-length 149504 (past it, the verify's fp32 K/V expanded to the query heads outgrow a GPU:
+    ~10 GiB at 128K). The graphed split (the default) keeps a verify's and a draft's transients per
+    captured context bucket: up to 53248 on the math path; 262144 still on the kernel's and fused paths.
   2 x 48 GiB, a fused SDPA kernel (cuDNN attention: H100/H200): the model's whole 262144 fits.
   1 x 80 GB (74.5 GiB, CUDA graphs): up to 35840 with the math path, 153600 with a fused one.
   1 x H200 (141 GB = 131.3 GiB): up to 167936 with the math path; 262144 with a fused one.
@@ -62,8 +64,8 @@ def test_weights_of_the_27b_pair():
 
 
 def test_2x48gib_fits_128k_with_the_math_sdpa_path():
-    """The A6000 case (and --gpu-memory's default path): 128K fits, up to 149504."""
-    plan = qplan("2x48GiB", 131072, "math")
+    """The A6000 case (and --gpu-memory's default path) on the eager split: 128K fits, up to 149504."""
+    plan = qplan("2x48GiB", 131072, "math", graphs=False)
     check_fits(plan)
     assert plan.fits and plan.largest == 149504  # how far it fits: 1.14x the 128K asked for
     split = plan.split
@@ -91,12 +93,28 @@ def test_2x48gib_with_a_fused_attention_kernel_fits_the_models_maximum():
 
 
 def test_2x48gib_refuses_the_models_maximum_with_the_math_path_and_names_149504():
-    plan = qplan("2x48GiB", 262144, "math")
+    plan = qplan("2x48GiB", 262144, "math", graphs=False)
     assert not plan.fits and plan.largest == 149504
     msg = error_of(plan)
     assert msg.startswith(f"{NAME} at --max-length 262144 needs ")
     assert "the largest --max-length that fits these devices is 149504" in msg and "--max-length 149504" in msg
-    check_fits(qplan("2x48GiB", 149504, "math", search=False))
+    assert "DDTREE_EAGER_SPLIT" not in msg  # already the eager split
+    check_fits(qplan("2x48GiB", 149504, "math", search=False, graphs=False))
+
+
+def test_2x48gib_graphed_split_holds_graph_pools_and_names_the_eager_split():
+    """The graphed split (the default: graph pools on both GPUs): the kernel's path still holds the
+    model's whole 262144; the math path up to 53248, and where only the eager split fits, the
+    error names its switch."""
+    for attention in ("kernel", "fused"):
+        plan = qplan("2x48GiB", 262144, attention, graphs=True)
+        assert plan.fits and plan.largest == 262144
+        assert all(rows["graph pools"] > 0 for rows in plan.split.gpus.values())
+    plan = qplan("2x48GiB", 131072, "math", graphs=True)
+    assert not plan.fits and plan.largest == 53248
+    msg = error_of(plan)
+    assert "fits these devices is 53248" in msg and msg.endswith("with DDTREE_EAGER_SPLIT=1")
+    assert qplan("2x48GiB", 131072, "math").largest == 53248  # graphed is what the environment's default plans
 
 
 def test_1x80gb():
@@ -137,7 +155,7 @@ def test_budget_auto_plans_the_deferred_context_on_the_drafters_gpu():
 
 
 def test_format_plan_table():
-    plan = qplan("2x48GiB", 131072, "math")
+    plan = qplan("2x48GiB", 131072, "math", graphs=False)
     text = format_plan(plan)
     lines = text.splitlines()
     assert lines[0].startswith(f"memory plan: {NAME} (64 layers: 48 GDN + 16 attention) + 5-layer DFlash drafter")
@@ -197,28 +215,31 @@ def one_error_line(r) -> str:
     return lines[0]
 
 
-def test_cli_plan_prints_the_table(models):
+def test_cli_plan_prints_the_table(models, monkeypatch):
     """--gpu-memory plans for the engine's split-KV attention kernel (the verify and the draft take
     no mask) unless --attention says otherwise: 2 x 48 GiB holds the model's whole 262144; with
-    the math SDPA fallback (DDTREE_ATTENTION=sdpa, or no Triton) up to 149504."""
+    the math SDPA fallback (DDTREE_ATTENTION=sdpa, or no Triton) on the eager split up to 149504."""
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
                "--max-length", 131072)
     assert r.exit_code == 0, r.stderr
     assert "cuda:0" in r.stdout and "cuda:1" in r.stdout and "K/V cache" in r.stdout and "free after" in r.stdout
     assert "the largest --max-length that fits is 262144" in r.stdout and "split-KV attention kernel" in r.stdout
     assert r.stderr.strip() == ""
+    monkeypatch.setenv("DDTREE_EAGER_SPLIT", "1")
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
                "--max-length", 131072, "--attention", "math")
     assert r.exit_code == 0, r.stderr
     assert "the largest --max-length that fits is 149504" in r.stdout and "torch's math SDPA" in r.stdout
+    monkeypatch.delenv("DDTREE_EAGER_SPLIT")
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
                "--max-length", 131072, "--attention", "fused", "--budget", "auto")
     assert r.exit_code == 0, r.stderr
     assert "the model's maximum" in r.stdout and "deferred drafter context (auto)" in r.stdout
 
 
-def test_cli_plan_that_does_not_fit(models):
+def test_cli_plan_that_does_not_fit(models, monkeypatch):
     """The table on stdout, then one error line: exit 2 (as generate would fail)."""
+    monkeypatch.setenv("DDTREE_EAGER_SPLIT", "1")
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
                "--max-length", 262144, "--attention", "math")
     line = one_error_line(r)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddtree.decode.budget import AUTO_BUDGETS, BudgetChooser
-from ddtree.model.synthetic import build_random_pair
+from ddtree.decode.random_pair import build_random_pair
 
 
 def _scores(probs):

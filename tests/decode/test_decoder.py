@@ -8,8 +8,8 @@ import torch
 
 from ddtree.decode.decoder import Decoder, walk
 from ddtree.errors import DDTreeError
-from ddtree.model.synthetic import (build_random_drafter, build_random_pair, build_random_target, tiny_drafter_config,
-                            tiny_hybrid_config)
+from ddtree.decode.random_pair import build_random_pair
+from ddtree.model.synthetic import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
 from ddtree.ops.tree import Tree, ancestor_mask_from_parents
 from helpers import draft_from_logits
 

@@ -14,7 +14,7 @@ from ddtree.decode.graphs import HostCommitKey, HostDraftKey, StepKey, VerifyKey
 from ddtree.decode.reference import host_draft
 from ddtree.decode.round import Pipeline
 from ddtree.decode.sampling import SamplingParams
-from ddtree.model.synthetic import build_random_pair
+from ddtree.decode.random_pair import build_random_pair
 from ddtree.ops.tree import Tree, ancestor_mask_from_parents
 
 

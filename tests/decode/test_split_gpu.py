@@ -41,7 +41,7 @@ def _check_split(devices):
     one = Decoder(*build_random_on_devices(RAW_T, RAW_D, ["cuda:0"], torch.float32, 512, seed=3))
     target, drafter = build_random_on_devices(RAW_T, RAW_D, devices, torch.float32, 512, seed=3)
     assert len(target.stages) == 2 and drafter.stage == 1, "the tiny pair's split: two stages, the drafter on the last"
-    seg = Decoder(target, drafter, use_graphs=True)  # (a split graphs only when asked: options.split_graphs)
+    seg = Decoder(target, drafter)  # the default on CUDA: graph segments (options.split_graphs)
     eager = Decoder(target, drafter, use_graphs=False)
     assert seg.use_graphs and seg.compile, "a split on CUDA runs graphed segments over compiled layers"
     assert not eager.use_graphs and eager.compile, "its twin: eager rounds over compiled layers"
@@ -87,3 +87,21 @@ def test_one_stage_is_one_graph_per_piece():
     dec.generate(list(range(2, 30)), "ddtree", budget=8, max_new_tokens=16)
     assert dec.graphs._graphs and not dec.split
     assert all(isinstance(g, torch.cuda.CUDAGraph) for g in dec.graphs._graphs.values())
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_split_on_cuda_is_graphed_by_default(tmp_path, monkeypatch, eager):
+    """`ddtree generate --devices cuda:0,cuda:0` runs the graphed split (graph segments over compiled
+    layers) unless DDTREE_EAGER_SPLIT=1, which keeps the eager twin (the CPU side:
+    tests/app/test_cli.py::test_split_default_on_cpu_is_the_eager_twin)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
+    from app_helpers import write_tiny_pair
+    from test_cli import split_paths
+
+    meta = split_paths(write_tiny_pair(tmp_path / "pair"), tmp_path, "cuda:0,cuda:0", monkeypatch, eager)
+    assert meta["devices"] == ["cuda:0", "cuda:0"]
+    assert meta["options"]["split_graphs"] is (not eager)
+    assert meta["cuda_graphs"] is (not eager) and meta["compiled_layers"] is True

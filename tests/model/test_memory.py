@@ -27,7 +27,8 @@ from ddtree.model import memory as mem
 from ddtree.model.config import DrafterConfig, TargetConfig
 from ddtree.model.drafter import DFlashDrafter
 from ddtree.model.placement import EXACT_ROWS, Workload, gpu_rows, _layers, place
-from ddtree.model.synthetic import build_random_pair, randomize_, tiny_dense_config, tiny_drafter_config, tiny_hybrid_config
+from ddtree.decode.random_pair import build_random_pair
+from ddtree.model.synthetic import randomize_, tiny_dense_config, tiny_drafter_config, tiny_hybrid_config
 from ddtree.model.target import Chunk, TargetModel
 
 from helpers import tensors_in, tiny_cpu_each_test  # noqa: F401  (autouse: one thread, no_grad)
@@ -391,3 +392,17 @@ def test_prefill_chunk_is_the_targets_rule():
             model = OnGpu(cfg)
         for free in (0, 1 << 20, 3 << 30, 13 << 30, 40 << 30, 1 << 40):
             assert mem.prefill_chunk_tokens(cfg, free) == model.prefill_chunk(free), (raw.get("model_type"), free)
+
+
+def test_check_memory_plan_script_runs_on_cpu():
+    """scripts/check_memory_plan.py (the GPU check of these figures) still matches the code: its
+    --tiny dry run on two CPU stages builds, plans, prefills, verifies and drafts."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "check_memory_plan.py"), "--tiny", "--devices", "cpu,cpu",
+                        "--prompt-tokens", "600"], capture_output=True, text=True, timeout=300, env=cli_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "memory plan vs measured" in r.stdout and "~ verify" in r.stdout and "layers [(0," in r.stderr

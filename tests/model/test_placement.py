@@ -85,9 +85,10 @@ def test_three_gpus_match_brute_force():
 
 
 def test_drafter_moves_where_it_fits():
-    """A last GPU too small for the drafter beside its share: the drafter goes to the first."""
+    """A last GPU too small for the drafter beside its share: the drafter goes to the first (the
+    eager split: no graph pools)."""
     devices = ["cuda:0", "cuda:1"]
-    wl = Workload(max_len=8192, attention="fused")
+    wl = Workload(max_len=8192, attention="fused", graphs=False)
     caps = {"cuda:0": 70 * GiB, "cuda:1": 6 * GiB}  # the lm_head, a few layers and the reserves; no drafter
     split = place(T, D, devices, wl, caps)
     assert split.fits and split.drafter_stage == 0
@@ -106,7 +107,7 @@ def test_nothing_fits_is_reported():
 def test_stages_on_one_gpu_share_it():
     """cuda:0,cuda:0: one GPU holds both stages (their weights and state add up, one rope table,
     one forward's activations at a time); the reads still balance between the stages. Both graphed
-    (the split's segments, as DDTREE_SPLIT_GRAPHS=1 takes them)."""
+    (the split's segments, as a split on CUDA runs by default)."""
     wl = Workload(max_len=32768, graphs=True)
     one = place(T, D, ["cuda:0"], wl).gpus["cuda:0"]
     two = place(T, D, ["cuda:0", "cuda:0"], wl)

@@ -554,7 +554,7 @@ def test_greedy_decoding_through_the_fused_prefix_equals_ar(small_fused_plan, mo
     """A hybrid pair decoding a 600-token prompt with the fused prefix on (its torch twin standing
     in for cuDNN): the floors the decoder derives from its graph keys hold at every verify (the
     fused part reads only committed keys), and ddtree / dflash tokens equal ar's."""
-    from ddtree.model.synthetic import build_random_pair
+    from ddtree.decode.random_pair import build_random_pair
     from ddtree.ops import dispatch
     from ddtree.options import Options
 

@@ -11,7 +11,8 @@ pytest.importorskip("triton", reason="triton not installed (pip install triton):
 
 from ddtree.options import Options  # noqa: E402
 from ddtree.ops import commit, gdn, gdn_tree  # noqa: E402
-from ddtree.model.synthetic import build_random_pair, build_random_target, tiny_hybrid_config  # noqa: E402
+from ddtree.decode.random_pair import build_random_pair  # noqa: E402
+from ddtree.model.synthetic import build_random_target, tiny_hybrid_config  # noqa: E402
 from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
 from helpers import MaxErrors, assert_rel, kernel_device, rel_err, tiny_cpu_each_test  # noqa: E402,F401
 

@@ -138,7 +138,7 @@ def test_decoder_falls_back_to_torch_when_the_kernel_fails(monkeypatch):
     """A kernel that cannot compile here (an old Triton, an unknown GPU) must not break decoding:
     the first failure is logged and trees are built with the torch twin from then on."""
     from ddtree.decode import decoder as decoding
-    from ddtree.model.synthetic import build_random_pair
+    from ddtree.decode.random_pair import build_random_pair
     from ddtree.options import Options
 
     calls = []

@@ -1,0 +1,77 @@
+"""Structure rules the code review holds the package to, checked so that they stay true: short
+entry points, no upward import from the model layer into the decoder, no import circle between
+the GDN chain's twin and fla, and results/ holding exactly what the docs cite, indexed."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _function_lines(path: str, name: str) -> int:
+    tree = ast.parse((REPO / path).read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    return node.end_lineno - node.lineno + 1
+
+
+@pytest.mark.parametrize("path,name", [("ddtree/ops/attention.py", "tree_attention"), ("ddtree/app/cli.py", "run_generate"),
+                                       ("ddtree/app/bench.py", "run_bench")])
+def test_entry_points_are_short(path, name):
+    assert _function_lines(path, name) <= 90, f"{path}:{name} is over 90 lines: extract helpers"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ddtree module a file imports, at any depth of its code (lazy imports included)."""
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("ddtree"):
+            out.add(n.module)
+            out.update(f"{n.module}.{a.name}" for a in n.names)
+        elif isinstance(n, ast.Import):
+            out.update(a.name for a in n.names if a.name.startswith("ddtree"))
+    return out
+
+
+def test_model_and_ops_do_not_import_the_decoder():
+    offenders = [f"{p.relative_to(REPO)}: {m}" for sub in ("model", "ops") for p in (REPO / "ddtree" / sub).rglob("*.py")
+                 for m in _imports(p) if m.startswith("ddtree.decode")]
+    assert not offenders, offenders
+
+
+def test_gdn_does_not_import_fla():
+    assert not any(m.startswith("ddtree.ops.fla") for m in _imports(REPO / "ddtree/ops/gdn.py")), \
+        "gdn.py imports fla while fla.py imports gdn: the choice between them lives in fla.chain_final"
+
+
+def _cited() -> set[str]:
+    """results/ names the top-level README and docs/*.md cite ({a,b} and * patterns expanded)."""
+    text = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    files = [p.name for p in (REPO / "results").iterdir() if p.name != "README.md"]
+    cited = set()
+    for ref in re.findall(r"results/([A-Za-z0-9_.*{},-]+)", text):
+        for pat in _braces(ref.rstrip(".,")):
+            cited.update(fnmatch.filter(files, pat))
+    return cited
+
+
+def _braces(ref: str) -> list[str]:
+    m = re.search(r"\{([^}]*)\}", ref)
+    if not m:
+        return [ref]
+    return [x for alt in m.group(1).split(",") for x in _braces(ref[:m.start()] + alt + ref[m.end():])]
+
+
+def test_results_hold_what_the_docs_cite_and_are_indexed():
+    files = {p.name for p in (REPO / "results").iterdir() if p.name != "README.md"}
+    index = (REPO / "results" / "README.md").read_text()
+    rows = {name for line in index.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`([^`]+)`", line.split(" | ")[0])}
+    assert files <= _cited(), f"in results/ but cited by no doc: {sorted(files - _cited())}"
+    assert files <= rows, f"in results/ but not in results/README.md's index: {sorted(files - rows)}"
+    assert rows <= files, f"indexed in results/README.md but not in results/: {sorted(rows - files)}"
