@@ -65,7 +65,7 @@ def test_generate_prints_the_breakdown_and_records_it(tmp_path):
 def test_short_prompts_prefill_through_the_eager_twins():
     """Below options.prefill_fast_min tokens the decoder asks the target for the eager prefill;
     at or above it, for the fast one (compiled layers and fla where they are on)."""
-    from ddtree.model.synthetic import build_random_pair
+    from ddtree.decode.random_pair import build_random_pair
 
     dec, _ = build_random_pair("hybrid", seed=0, dtype=torch.float32, device="cpu", max_len=96,
                                options=Options(prefill_fast_min=12))
