@@ -88,7 +88,8 @@ class Variant:
     depth_cap: int | None = None  # at most this many draft depths
     width: int | None = None  # at most this many ranks per depth (the drafter's top-k)
     calibrate: str | None = None  # None | "online" (per-depth temperature from the rounds so far) | "fit" (from all)
-    min_obs: int = 16  # online: observations a depth needs before its temperature moves from 1
+    #                               | "factor" (per-depth top-1 hit rate over predicted, from the rounds so far)
+    min_obs: int = 16  # online: observations a depth needs before its temperature moves from 1 (factor: the prior's weight)
 
 
 @dataclass
@@ -102,16 +103,26 @@ class Calibration:
     def __post_init__(self):
         self.nll = np.zeros((self.D, len(TEMPS)))
         self.n = np.zeros(self.D, np.int64)
+        self.hits = np.zeros(self.D)  # rounds whose top-1 token at depth d was the target's
+        self.pred = np.zeros(self.D)  # the drafter's top-1 probability summed over the same rounds
 
     def add(self, rec: Recording, i: int, upto: int):
         """The target's tokens at depths 1..upto of round i's block (those the round saw: its
         accepted path and the bonus)."""
         t = np.asarray(TEMPS)
+        p = rec.prompt_len + i
         for d in range(min(upto, self.D)):
             z = rec.true[i, d]
             if not math.isnan(z):
                 self.nll[d] += rec.logz[i, d] - z / t
                 self.n[d] += 1
+                self.hits[d] += rec.ids[i, d, 0] == rec.seq[p + 1 + d]
+                self.pred[d] += math.exp(rec.top[i, d, 0] - rec.logz[i, d, ONE])
+
+    def log_factor(self, prior: float) -> np.ndarray:
+        """[D] log of (hits + prior) / (predicted + prior): how much likelier the top-1 token is than
+        the drafter says, at each depth, given that the round got that far."""
+        return np.log((self.hits + prior) / (self.pred + prior))
 
     def temps(self, min_obs: int) -> np.ndarray:
         """[D] grid index per depth: the NLL minimiser, or T = 1 with too few observations."""
@@ -139,7 +150,7 @@ def replay(rec: Recording, v: Variant, budget: int, max_new: int, fitted: np.nda
     D = rec.top.shape[1]
     Dc = min(D, v.depth_cap or D)
     K = min(RECORD_K, v.width or RECORD_K, budget)
-    cal = Calibration(D) if v.calibrate == "online" else None
+    cal = Calibration(D) if v.calibrate in ("online", "factor") else None
     new, p, committed, rounds = 1, L, 0, 0  # the prefill chose the first token
     while new < max_new and p < len(seq) - 1:
         i = p - L
@@ -148,9 +159,11 @@ def replay(rec: Recording, v: Variant, budget: int, max_new: int, fitted: np.nda
             while a < D and p + 1 + a < len(seq) and rec.ids[i, a, 0] == seq[p + 1 + a]:
                 a += 1
         else:
-            g = np.full(Dc, ONE) if v.calibrate is None else (fitted[:Dc] if v.calibrate == "fit" else cal.temps(v.min_obs)[:Dc])
+            g = np.full(Dc, ONE) if v.calibrate in (None, "factor") else (fitted[:Dc] if v.calibrate == "fit" else cal.temps(v.min_obs)[:Dc])
             t = np.asarray(TEMPS)[g][:, None]
             lp = rec.top[i, :Dc, :K] / t - rec.logz[i, np.arange(Dc), g][:, None]  # [Dc, K] log-probs at T_d
+            if v.calibrate == "factor":  # scaled per depth, capped at probability 1
+                lp = np.minimum(lp + cal.log_factor(v.min_obs)[:Dc, None], 0.0)
             tree = build_tree(seq[p], lp, rec.ids[i, :Dc, :K], budget, top1_first=v.top1_first)
             a = _accepts(tree.tokens.tolist(), tree.parents.tolist(), seq, p)
         if cal is not None:
@@ -190,6 +203,7 @@ VARIANTS = [
     Variant("top-k 2", width=2), Variant("top-k 4", width=4), Variant("top-k 8", width=8),
     Variant("temp/depth online", calibrate="online"),
     Variant("temp/depth fit", calibrate="fit"),
+    Variant("depth factor online", calibrate="factor", min_obs=4),
 ]
 
 
