@@ -88,17 +88,19 @@ DRAFTERS = ("drafter", "drafter-distilled", "drafter-large")
 
 
 @pytest.fixture(scope="module")
-def drafter_decoders(decoder):
-    """name -> a Decoder of the fixture's target with that drafter (loaded on first use)."""
-    from ddtree.model.checkpoint import load_drafter
+def drafter_decoders():
+    """name -> a Decoder of the fixture's target with that drafter (loaded on first use; a target
+    each: a Decoder sets its target's tap layers from its drafter)."""
+    from ddtree.model.checkpoint import load_drafter, load_target
     from ddtree.decode.decoder import Decoder
 
     made = {}
 
     def get(name):
         if name not in made:
-            drafter, _ = load_drafter(str(FIXTURE / name), decoder.target, torch.float32, 512)
-            made[name] = Decoder(decoder.target, drafter)
+            target, _ = load_target(str(FIXTURE / "target"), [torch.device("cpu")], torch.float32, 512)
+            drafter, _ = load_drafter(str(FIXTURE / name), target, torch.float32, 512)
+            made[name] = Decoder(target, drafter)
         return made[name]
     return get
 
