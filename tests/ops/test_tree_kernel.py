@@ -58,10 +58,10 @@ def test_kernel_equals_heap_without_ties():
 
 
 def test_kernel_with_ties_builds_a_best_first_tree():
-    """Log-probs on a coarse grid (many exact ties, including zeros): the tree may differ from the
-    heap's among tied nodes, but it is a valid best-first tree: parents first, distinct prefixes,
-    tokens / ranks / depths / mask consistent, and the same multiset of node scores as the heap
-    and the torch device builder (the best B prefixes)."""
+    """Log-probs on a coarse grid (many exact ties, including zeros): a valid best-first tree
+    (parents first, distinct prefixes, tokens / ranks / depths / mask consistent, the same multiset
+    of node scores as the heap and the torch device builder: the best B prefixes), and since ties go
+    to the smaller rank prefix in every builder, the heap's and the torch builder's tree node for node."""
     g = torch.Generator().manual_seed(2)
     for D, K, B in _configs(40, 12):
         lp = -(torch.randint(0, 4, (D, K), generator=g).float() * 0.5).sort(-1).values  # descending, tied
@@ -84,6 +84,9 @@ def test_kernel_with_ties_builds_a_best_first_tree():
         dev = _path_scores(t_dev[2], t_dev[1], t_dev[3], lp)
         assert sorted(score.values()) == sorted(_path_scores(heap.parents, heap.depths, heap.ranks, lp).values()) \
             == sorted(dev.values()), (D, K, B)
+        for got, want, twin in zip((tokens, depths, parents, ranks, mask),
+                                   (heap.tokens, heap.depths, heap.parents, heap.ranks, heap.ancestor_mask), t_dev):
+            assert torch.equal(got, want) and torch.equal(twin, want), (D, K, B)
 
 
 def _published_prefixes(lp, B):
