@@ -7,6 +7,10 @@
 
     python scripts/acceptance.py --from-json results/acceptance.json   # re-print a saved run
 
+    # tree shapes offline, every drafter of the fixture: tokens per target forward per budget
+    python scripts/acceptance.py --offline --limit 8 --max-new-tokens 128 --budgets 4,8,16,32,64 \
+        --out results/tree-shapes-cpu.json
+
 Mean acceptance length ("mean tokens committed per round, bonus token included") is reported two
 ways. Pooled: 1 + accepted / rounds over every round of every prompt (the vLLM formula, as in
 ddtree.stats). Per-prompt mean: that figure for each prompt, averaged over the prompts; this is
@@ -15,6 +19,11 @@ the figure the fixture README's reference row matches (to within 1%), while the 
 comes from the prefill and is not a round. Also reported: committed / rounds (the same as pooled
 except for rounds cut by the token limit or a stop token), the slot-1 acceptance rate, and, when
 `ar` runs too (default), whether every method's greedy tokens equal `ar`'s.
+
+--offline scores tree shapes without decoding each one (scripts/tree_shapes.py): each drafter's
+per-position distributions are recorded once against `ar`'s greedy continuation, then the chain,
+the best-first tree and its variants (top-1 chain first, a depth cap, a top-k width, a per-depth
+temperature) are replayed on them at every budget: tokens per target forward (committed / rounds).
 """
 
 from __future__ import annotations
@@ -44,6 +53,10 @@ def parse_args(argv=None):
     ap.add_argument("--no-ar", action="store_true", help="skip ar (and the exactness check against it)")
     ap.add_argument("--no-stop", action="store_true", help="do not stop at the target's eos tokens")
     ap.add_argument("--top1-first", action="store_true", help="insert the drafter's top-1 chain first")
+    ap.add_argument("--drafter", default="drafter", help="the drafter: a folder under FIXTURE or a path")
+    ap.add_argument("--offline", action="store_true", help="score tree shapes offline for every drafter of --drafters")
+    ap.add_argument("--drafters", default="drafter,drafter-distilled,drafter-large", help="--offline: drafter folders")
+    ap.add_argument("--cache", type=Path, default=None, help="--offline: keep the recorded drafts here (reused when present)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -95,8 +108,7 @@ def print_table(results: dict, num_prompts: int, max_new_tokens: int, dtype: str
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from transformers import AutoTokenizer
-
+    from ddtree.app.setup import load_tokenizer
     from ddtree.model.checkpoint import load_drafter, load_target, parse_dtype
     from ddtree.decode.decoder import Decoder
     from ddtree.errors import DDTreeError
@@ -124,7 +136,7 @@ def main(argv=None) -> int:
     prompts = [json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()]
     if args.limit:
         prompts = prompts[: args.limit]
-    tok = AutoTokenizer.from_pretrained(str(fx / "target"))
+    tok = load_tokenizer(fx / "target")  # the checkpoint's tokenizer.json pipeline (fixture README: tokenization)
     encoded = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
     max_len = max(len(e) for e in encoded) + args.max_new_tokens + max(budgets + [16]) + 8
@@ -132,12 +144,14 @@ def main(argv=None) -> int:
     t_load = time.perf_counter()
     try:
         target, _ = load_target(str(fx / "target"), [device], dtype, max_len)
-        drafter, _ = load_drafter(str(fx / "drafter"), target, dtype, max_len)
+        drafter, _ = load_drafter(str(fx / args.drafter), target, dtype, max_len)
     except DDTreeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     dec = Decoder(target, drafter)
     stop = set() if args.no_stop else set(target.cfg.eos_token_ids)
+    if args.offline:
+        return offline(args, fx, dec, prompts, encoded, budgets, dtype, max_len, stop)
     log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, file=sys.stderr, flush=True))
     log(f"loaded target + drafter in {time.perf_counter() - t_load:.1f}s on {device} ({args.dtype}); "
         f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, stop ids {sorted(stop)}")
@@ -200,6 +214,56 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(doc, indent=2))
         print(f"\nwrote {args.out}")
     return 0
+
+
+def offline(args, fx, dec, prompts, encoded, budgets, dtype, max_len, stop) -> int:
+    """--offline: record each drafter's blocks once, replay every tree variant (scripts/tree_shapes.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import tree_shapes
+    from ddtree.model.checkpoint import load_drafter
+
+    names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+    key = {"prompts": [p["id"] for p in prompts], "encoded": encoded, "max_new": args.max_new_tokens, "drafters": names, "dtype": args.dtype}
+    recs = None
+    if args.cache and args.cache.is_file():
+        saved = torch.load(args.cache, weights_only=False)
+        recs = saved["recs"] if saved["key"] == key else None
+    if recs is None:
+        from ddtree.decode.decoder import Decoder
+
+        # a Decoder each attaches its drafter to the target (embedding, lm_head, kernels)
+        drafters = {n: Decoder(dec.target, load_drafter(str(fx / n), dec.target, dtype, max_len)[0]).drafter for n in names}
+        recs = {n: [] for n in names}
+        t0 = time.perf_counter()
+        for p, ids in zip(prompts, encoded):
+            for n, r in tree_shapes.record(dec, drafters, ids, args.max_new_tokens, stop).items():
+                recs[n].append(r)
+            print(f"recorded {p['id']} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+        if args.cache:
+            torch.save({"key": key, "recs": recs}, args.cache)
+    results = {n: tree_shapes.evaluate(recs[n], budgets, args.max_new_tokens) for n in names}
+    print_shapes(results, budgets)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "prompts": key["prompts"], "torch": torch.__version__, "temperature_grid": tree_shapes.TEMPS,
+               "results": results}
+        args.out.write_text(json.dumps(doc, indent=2))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+def print_shapes(results: dict, budgets) -> None:
+    """Tokens per target forward: a table per drafter, a row per variant, a column per budget."""
+    for name, res in results.items():
+        print(f"\n{name}: tokens per target forward (committed / rounds); fitted temperatures {res['_fit_temps']}\n")
+        print(fmt_row("", [f"budget {b}" for b in budgets]))
+        print("|" + "-" * 24 + "|" + "|".join("-" * 11 for _ in budgets) + "|")
+        for v, row in res.items():
+            if v.startswith("_"):
+                continue
+            cells = [f"{row.get(str(b), row.get('1'))['tokens_per_forward']:.3f}" for b in budgets]
+            print(fmt_row(v, cells))
 
 
 if __name__ == "__main__":

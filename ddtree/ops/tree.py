@@ -113,7 +113,8 @@ def _as_list(x) -> list:
 
 
 def build_tree(root_token: int, topk_logprobs, topk_ids, budget: int, top1_first: bool = False) -> Tree:
-    """DDTree best-first tree: the ``budget`` highest-scoring rank prefixes (plus the root).
+    """DDTree best-first tree: the ``budget`` highest-scoring rank prefixes (plus the root), in
+    descending score; ties go to the lexicographically smaller rank prefix (a parent first).
 
     topk_logprobs: [D, K] float, per-depth log-probs sorted descending along K (torch or numpy).
     topk_ids:      [D, K] int, the matching token ids.
@@ -130,19 +131,18 @@ def build_tree(root_token: int, topk_logprobs, topk_ids, budget: int, top1_first
     chain_len = min(D, budget) if top1_first else 0
 
     tokens, parents, depths, ranks, scores = [int(root_token)], [-1], [0], [0], [0.0]
-    # Heap entry: (key, counter, score, depth, rank, parent node). key = -score, except the
-    # top-1 chain candidate under top1_first gets -inf so it pops first; the counter breaks ties
-    # deterministically (earlier push wins). Each prefix is pushed exactly once (rank 0 by its
-    # parent, rank r>0 by its elder sibling), so there are no duplicates.
+    # Heap entry: (key, rank prefix, score, depth, rank, parent node). key = -score, except the
+    # top-1 chain candidate under top1_first gets -inf so it pops first. Ties on the score go to
+    # the lexicographically smaller rank prefix (a parent before its children), as in the DDTree
+    # authors' build_ddtree_tree; the device builders break ties the same way. Each prefix is
+    # pushed exactly once (rank 0 by its parent, rank r>0 by its elder sibling): no duplicates.
     heap = []
-    counter = 0
     if budget > 0 and K > 0:
         s = lp[0][0]
-        heap.append((-np.inf if chain_len >= 1 else -s, 0, s, 1, 0, 0))
-        counter = 1
+        heap.append((-np.inf if chain_len >= 1 else -s, (0,), s, 1, 0, 0))
     push, pop = heapq.heappush, heapq.heappop
     while heap and len(tokens) <= budget:
-        _, _, s, d, r, p = pop(heap)
+        _, pre, s, d, r, p = pop(heap)
         node = len(tokens)
         tokens.append(ids[d - 1][r])
         parents.append(p)
@@ -153,12 +153,10 @@ def build_tree(root_token: int, topk_logprobs, topk_ids, budget: int, top1_first
             cs = s + lp[d][0]
             # chain nodes are exactly nodes 1..chain_len, node i at depth i
             key = -np.inf if (r == 0 and node == d and d + 1 <= chain_len) else -cs
-            push(heap, (key, counter, cs, d + 1, 0, node))
-            counter += 1
+            push(heap, (key, pre + (0,), cs, d + 1, 0, node))
         if r + 1 < K:  # next sibling (never a chain node)
             ss = s - lp[d - 1][r] + lp[d - 1][r + 1]
-            push(heap, (-ss, counter, ss, d, r + 1, p))
-            counter += 1
+            push(heap, (-ss, pre[:-1] + (r + 1,), ss, d, r + 1, p))
 
     mask = torch.from_numpy(_ancestor_mask_np(parents))
     cols = torch.from_numpy(np.array((tokens, parents, depths, ranks), dtype=np.int64))  # one conversion, [4, N]
@@ -198,8 +196,9 @@ def build_tree_device(root: torch.Tensor, topk_logprobs: torch.Tensor, topk_ids:
     The best-first tree of `budget` draft nodes is the set of the `budget` highest-scoring rank
     prefixes, in descending score (parents first on ties): per depth d the best B = budget
     prefixes extend only the best B of depth d - 1 (an extension scores at most its parent), then
-    the best B over all depths. Equal to `build_tree` wherever scores do not tie (tests check it);
-    a tie may pick another of the tied nodes, which changes the tree's shape, never the output.
+    the best B over all depths. Ties on the score go to the lexicographically smaller rank prefix,
+    as in `build_tree` (and the DDTree authors' heap), so the two build the same tree (tests check
+    it, on tied scores too; scores here are float32 sums, the heap's float64).
     Needs `device_tree_fits(D, K, budget)`. Returns tokens, depths, parents, ranks [B + 1] long,
     ancestor mask [B + 1, B + 1] bool, and the tree depth (0-dim).
     """
@@ -208,21 +207,37 @@ def build_tree_device(root: torch.Tensor, topk_logprobs: torch.Tensor, topk_ids:
     dev = topk_logprobs.device
     Kb = min(K, B)
     lp = topk_logprobs[:, :Kb].float()  # [D, Kb]
-    scores, parent_g, ranks, depths = [lp[0]], [torch.full((Kb,), -1, device=dev)], [torch.arange(Kb, device=dev)], []
+    ar = torch.arange(Kb, device=dev)
+    # Per depth, the kept prefixes sorted by (score desc, rank prefix asc); lex = each one's index in
+    # rank-prefix order among its depth's, path = the lex of its ancestors at every depth (-1 past its own).
+    path = torch.full((Kb, D), -1, dtype=torch.long, device=dev)
+    path[:, 0] = ar
+    scores, parent_g, ranks, depths, paths = [lp[0]], [torch.full((Kb,), -1, device=dev)], [ar], [], [path]
     depths.append(torch.ones(Kb, dtype=torch.long, device=dev))
-    offset, beam = 0, lp[0]  # global index of the current beam's first candidate; its scores [W]
+    offset, beam, lex = 0, lp[0], ar  # global index of the current beam's first candidate; its scores [W], lex [W]
     for d in range(1, D):
         W = beam.shape[0]
         cand = (beam[:, None] + lp[d][None, :]).flatten()  # [W * Kb]
-        top = cand.topk(min(B, cand.shape[0]), sorted=True)
-        scores.append(top.values)
-        parent_g.append(offset + torch.div(top.indices, Kb, rounding_mode="floor"))
-        ranks.append(top.indices % Kb)
-        depths.append(torch.full((top.values.shape[0],), d + 1, dtype=torch.long, device=dev))
+        key = (lex[:, None] * Kb + ar[None, :]).flatten()  # [W * Kb] rank-prefix order, distinct
+        by_key = torch.sort(key).indices
+        top = by_key[torch.sort(cand[by_key], descending=True, stable=True).indices[:B]]  # [W'] best first
+        scores.append(cand[top])
+        parent = torch.div(top, Kb, rounding_mode="floor")
+        parent_g.append(offset + parent)
+        ranks.append(top % Kb)
+        depths.append(torch.full((top.shape[0],), d + 1, dtype=torch.long, device=dev))
+        lex = torch.argsort(torch.argsort(key[top]))  # [W'] dense rank-prefix order
+        path = path[parent].clone()
+        path[:, d] = lex
+        paths.append(path)
         offset += W
-        beam = top.values
-    S = torch.cat(scores)  # [G] every candidate, depth-major (so a stable sort puts parents first on ties)
-    order = torch.sort(S, descending=True, stable=True).indices[:B]  # [B] the tree's draft nodes, in node order
+        beam = cand[top]
+    S = torch.cat(scores)  # [G] every candidate, depth-major
+    P = torch.cat(paths)  # [G, D]
+    order = torch.arange(S.shape[0], device=dev)
+    for c in range(D - 1, -1, -1):  # rank-prefix order (a prefix before its extensions: -1 sorts first)
+        order = order[torch.sort(P[order, c], stable=True).indices]
+    order = order[torch.sort(S[order], descending=True, stable=True).indices[:B]]  # [B] the draft nodes, in node order
     G = S.shape[0]
     node_of = torch.zeros(G, dtype=torch.long, device=dev)
     node_of[order] = torch.arange(1, B + 1, device=dev)  # candidate -> node id (selected ones)

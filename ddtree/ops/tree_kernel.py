@@ -10,8 +10,13 @@ of launch-bound work per round on an H200. This is the same algorithm in one pro
   as good and earlier in (i, j) order; with ties broken by that order, only pairs with
   (i + 1)(j + 1) <= B can be among the best B. Those (about B ln B) are compacted, ranked by
   counting who beats whom, and the best B written to depth d's slots in order.
-* global: every slot of every depth is ranked the same way (score, then depth-major slot order, so
-  a parent precedes its children on ties); the best B become nodes 1..B in that order.
+* ties: on an equal score the lexicographically smaller rank prefix wins (a parent before its
+  children), as in the host heap and the DDTree authors' build_ddtree_tree. Within depth d that is
+  (lex of the parent slot, j), lex being a slot's index in rank-prefix order among its depth's;
+  across depths it is the slots' preorder in the trie they form (subtree sizes bottom-up, then
+  each slot's preorder = its parent's + 1 + the sizes of its elder siblings).
+* global: every slot of every depth is ranked the same way (score, then preorder); the best B
+  become nodes 1..B in that order.
 * outputs: tokens, depths, parents, ranks, the ancestor mask (each node walks up its parents)
   and the tree's depth, written straight into the caller's buffers.
 
@@ -35,6 +40,7 @@ def pruned_pairs(budget: int, kb: int) -> int:
 def _tree_kernel(
     lp, ids, root, tokens_out, depths_out, parents_out, ranks_out, mask_out, depth_out, eq_out, dcum_out,
     sc, ps, rk, cand, cscore, wsz, node,  # scratch: slot score / parent slot / rank [D*BB], compacted [NP], W [D], node [D*BB]
+    ckey, skey, lex, size, pre,  # scratch: candidate's rank-prefix key [NP]; slot's key, lex, subtree size, preorder [D*BB]
     D: tl.constexpr, K: tl.constexpr, B: tl.constexpr, KBV: tl.constexpr,  # depths, lp's row length, budget, Kb = min(K, B)
     BB: tl.constexpr, KB: tl.constexpr, NP: tl.constexpr, GP: tl.constexpr, TP: tl.constexpr,
     QB: tl.constexpr, SUMMARY: tl.constexpr,
@@ -49,6 +55,7 @@ def _tree_kernel(
     tl.store(sc + ob, tl.load(lp + ob, mask=m0, other=0.0).to(tl.float32), mask=m0)
     tl.store(ps + ob, tl.full([BB], -1, tl.int32), mask=m0)
     tl.store(rk + ob, ob, mask=m0)
+    tl.store(lex + ob, ob, mask=m0)
     tl.store(wsz + 0, KBV)
     of = tl.arange(0, BB * KB)  # flat (i, j) over the candidate tile
     fi = of // KB
@@ -77,24 +84,54 @@ def _tree_kernel(
         i = f // KB
         j = f % KB
         s_p = tl.load(sc + (d - 1) * BB + i, mask=mp, other=0.0) + tl.load(lp + d * K + j, mask=mp, other=0.0).to(tl.float32)
+        k_p = tl.load(lex + (d - 1) * BB + i, mask=mp, other=0) * KB + j  # rank-prefix order at depth d, distinct
         tl.store(cscore + op, s_p, mask=mp)
+        tl.store(ckey + op, k_p, mask=mp)
         tl.debug_barrier()
         rank = tl.zeros([NP], dtype=tl.int32)
         for q0 in range(0, NP, QB):  # rank = how many candidates beat this one (a loop, not unrolled: compile time)
             if q0 < n:  # blocks past the live candidates: skipped
                 oq = q0 + tl.arange(0, QB)
                 s_q = tl.load(cscore + oq, mask=oq < n, other=0.0)
-                beats = (oq[None, :] < n) & ((s_q[None, :] > s_p[:, None]) | ((s_q[None, :] == s_p[:, None]) & (oq[None, :] < op[:, None])))
+                k_q = tl.load(ckey + oq, mask=oq < n, other=0)
+                beats = (oq[None, :] < n) & ((s_q[None, :] > s_p[:, None]) | ((s_q[None, :] == s_p[:, None]) & (k_q[None, :] < k_p[:, None])))
                 rank += tl.sum(beats.to(tl.int32), 1)
         keep = mp & (rank < B)
         tl.store(sc + d * BB + rank, s_p, mask=keep)
         tl.store(ps + d * BB + rank, i, mask=keep)
         tl.store(rk + d * BB + rank, j, mask=keep)
-        tl.store(wsz + d, tl.minimum(W * KBV, B))
+        tl.store(skey + d * BB + rank, k_p, mask=keep)
+        Wd = tl.minimum(W * KBV, B)
+        tl.store(wsz + d, Wd)
+        tl.debug_barrier()
+        # lex of depth d's slots: how many of them come earlier in rank-prefix order
+        k_s = tl.load(skey + d * BB + ob, mask=ob < Wd, other=0)
+        lx = tl.sum(((ob[None, :] < Wd) & (k_s[None, :] < k_s[:, None])).to(tl.int32), 1)
+        tl.store(lex + d * BB + ob, lx, mask=ob < Wd)
+        tl.debug_barrier()
+    # ---- preorder of the slots' trie (rank-prefix order across depths): subtree sizes, deepest first
+    for e in range(0, D):
+        d = D - 1 - e
+        Wc = tl.load(wsz + d + 1, mask=d + 1 < D, other=0)  # the children's depth (none below the last)
+        pc = tl.load(ps + (d + 1) * BB + ob, mask=ob < Wc, other=-1)
+        zc = tl.load(size + (d + 1) * BB + ob, mask=ob < Wc, other=0)
+        z = 1 + tl.sum(tl.where(pc[None, :] == ob[:, None], zc[None, :], 0), 1)
+        tl.store(size + d * BB + ob, z, mask=ob < tl.load(wsz + d))
+        tl.debug_barrier()
+    for d in range(0, D):  # preorder = the parent's + 1 + the elder siblings' subtree sizes (root: -1)
+        Wd = tl.load(wsz + d)
+        live = ob < Wd
+        p_s = tl.load(ps + d * BB + ob, mask=live, other=-2)
+        r_s = tl.load(rk + d * BB + ob, mask=live, other=0)
+        z_s = tl.load(size + d * BB + ob, mask=live, other=0)
+        elder = live[None, :] & (p_s[None, :] == p_s[:, None]) & (r_s[None, :] < r_s[:, None])
+        up = tl.load(pre + (d - 1) * BB + p_s, mask=live & (d > 0), other=-1)
+        tl.store(pre + d * BB + ob, up + 1 + tl.sum(tl.where(elder, z_s[None, :], 0), 1), mask=live)
         tl.debug_barrier()
     # ---- global: the best B slots over all depths become nodes 1..B
     ve = (de < D) & (ie < tl.load(wsz + de, mask=de < D, other=0))
     s_e = tl.load(sc + oe, mask=ve, other=0.0)
+    o_e = tl.load(pre + oe, mask=ve, other=0)
     n_live = (tl.max(tl.where(ve, de, -1), 0) + 1) * BB  # the slots of the depths that have any
     grank = tl.zeros([GP], dtype=tl.int32)
     ahead_p = tl.zeros([GP], dtype=tl.float32)  # SUMMARY: path probabilities of the nodes before this one
@@ -105,7 +142,8 @@ def _tree_kernel(
             dq = oq // BB
             vq = (dq < D) & (oq % BB < tl.load(wsz + dq, mask=dq < D, other=0))
             s_q = tl.load(sc + oq, mask=vq, other=0.0)
-            beats = vq[None, :] & ((s_q[None, :] > s_e[:, None]) | ((s_q[None, :] == s_e[:, None]) & (oq[None, :] < oe[:, None])))
+            o_q = tl.load(pre + oq, mask=vq, other=0)
+            beats = vq[None, :] & ((s_q[None, :] > s_e[:, None]) | ((s_q[None, :] == s_e[:, None]) & (o_q[None, :] < o_e[:, None])))
             grank += tl.sum(beats.to(tl.int32), 1)
             if SUMMARY:
                 ahead_p += tl.sum(tl.where(beats, tl.exp(s_q)[None, :], 0.0), 1)
@@ -168,9 +206,10 @@ def build_tree_kernel(root: torch.Tensor, topk_logprobs: torch.Tensor, topk_ids:
     QB = min(32, NP)
     # scratch (under capture: the graph's own, allocated once); every phase writes before it reads
     sc, cscore = torch.empty(D * BB + NP, dtype=torch.float32, device=dev).split([D * BB, NP])
-    ib = torch.empty(4 * D * BB + NP + D, dtype=torch.int32, device=dev)
     n = D * BB
-    ps, rk, node, wsz, cand = ib[:n], ib[n:2 * n], ib[2 * n:3 * n], ib[3 * n:3 * n + D], ib[4 * n:4 * n + NP]
+    ib = torch.empty(7 * n + 2 * NP + D, dtype=torch.int32, device=dev)
+    ps, rk, node, skey, lex, size, pre = ib[:7 * n].split(n)
+    wsz, cand, ckey = ib[7 * n:].split([D, NP, NP])
     if summary is not None:
         assert summary[0].dtype == torch.float32 and summary[1].dtype == torch.long
         assert summary[0].shape == summary[1].shape == (B,) and summary[0].is_contiguous() and summary[1].is_contiguous()
@@ -179,7 +218,7 @@ def build_tree_kernel(root: torch.Tensor, topk_logprobs: torch.Tensor, topk_ids:
     with _on_device_of(lp):
         kern[(1,)](
             lp, ids, root.reshape(1), tokens, depths, parents, ranks, mask.view(torch.int8), depth, eq, dcum,
-            sc, ps, rk, cand, cscore, wsz, node,
+            sc, ps, rk, cand, cscore, wsz, node, ckey, skey, lex, size, pre,
             D=D, K=K, B=B, KBV=kb,
             BB=BB, KB=KB, NP=NP, GP=GP, TP=triton.next_power_of_2(B + 1), QB=QB, SUMMARY=summary is not None, num_warps=8,
         )

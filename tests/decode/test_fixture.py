@@ -82,3 +82,63 @@ def test_greedy_speculative_equals_ar(decoder, prompts, ar_outputs, method, budg
         rounds += len(rec.rounds)
     # a trained drafter is accepted into (README: chain ~1.65, tree 32 ~2.23 tokens per round)
     assert 1 + accepted / rounds > 1.2
+
+
+DRAFTERS = ("drafter", "drafter-distilled", "drafter-large")
+
+
+@pytest.fixture(scope="module")
+def drafter_decoders():
+    """name -> a Decoder of the fixture's target with that drafter (loaded on first use; a target
+    each: a Decoder sets its target's tap layers from its drafter)."""
+    from ddtree.model.checkpoint import load_drafter, load_target
+    from ddtree.decode.decoder import Decoder
+
+    made = {}
+
+    def get(name):
+        if name not in made:
+            target, _ = load_target(str(FIXTURE / "target"), [torch.device("cpu")], torch.float32, 512)
+            drafter, _ = load_drafter(str(FIXTURE / name), target, torch.float32, 512)
+            made[name] = Decoder(target, drafter)
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_greedy_ddtree_equals_ar_with_every_drafter(fixture_dir, drafter_decoders, prompts, ar_outputs, name):
+    """Greedy ddtree at budgets 8 / 32 / 64 (the device pipeline) and dflash give ar's tokens with each
+    of the fixture's drafters; the deeper trees accept at least as much as the chain does."""
+    if not (fixture_dir / name / "config.json").is_file():
+        pytest.skip(f"{fixture_dir / name} not found")
+    dec = drafter_decoders(name)
+    stop = set(dec.target.cfg.eos_token_ids)
+    per_round = {}
+    for method, budget in (("dflash", 1), ("ddtree", 8), ("ddtree", 32), ("ddtree", 64)):
+        committed = rounds = 0
+        for pid, ids in prompts:
+            rec = dec.generate(ids, method, budget=budget, max_new_tokens=NEW, stop_ids=stop)
+            assert rec.token_ids == ar_outputs[pid], f"{pid}: {name} {method} {budget} differs from ar"
+            committed += sum(r.committed for r in rec.rounds)
+            rounds += len(rec.rounds)
+        per_round[budget] = committed / rounds
+    assert per_round[64] >= per_round[8] > 1.2, per_round
+
+
+def test_offline_replay_equals_live_decoding(decoder, prompts):
+    """scripts/tree_shapes.py (acceptance.py --offline) replays rounds against recorded drafts instead
+    of decoding: for the chain and best-first trees its committed tokens and rounds equal a live
+    greedy generation's."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import tree_shapes
+
+    stop = set(decoder.target.cfg.eos_token_ids)
+    pid, ids = prompts[0]
+    rec = tree_shapes.record(decoder, {"drafter": decoder.drafter}, ids, NEW, stop)["drafter"]
+    for variant, method, budget in ((tree_shapes.Variant("chain", chain=True), "dflash", 1),
+                                    (tree_shapes.Variant("tree"), "ddtree", 8), (tree_shapes.Variant("tree"), "ddtree", 32)):
+        live = decoder.generate(ids, method, budget=budget, max_new_tokens=NEW, stop_ids=stop)
+        want = (sum(r.committed for r in live.rounds), len(live.rounds))
+        assert tree_shapes.replay(rec, variant, budget, NEW) == want, (pid, method, budget)

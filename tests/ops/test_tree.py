@@ -209,3 +209,27 @@ def test_device_tree_fits():
 
     assert device_tree_fits(15, 32, 32) and device_tree_fits(2, 6, 42) and not device_tree_fits(2, 6, 43)
     assert not device_tree_fits(1, 4, 5) and device_tree_fits(1, 4, 4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ties_go_to_the_smaller_rank_prefix(seed):
+    """On tied scores (a dyadic grid: exact sums) the heap pops in the DDTree authors' order,
+    (-score, rank prefix), and build_tree_device builds the same tree node for node."""
+    from ddtree.ops.tree import build_tree_device, device_tree_fits
+
+    rnd = random.Random(200 + seed)
+    D, K = rnd.randint(1, 4), rnd.randint(1, 5)
+    lp = np.array([sorted((-0.5 * rnd.randint(0, 4) for _ in range(K)), reverse=True) for _ in range(D)],
+                  dtype=np.float32)
+    ids = _ids(D, K)
+    total = sum(K**d for d in range(1, D + 1))
+    budget = rnd.randint(1, min(total, 40))
+    order = sorted((-sum(float(lp[i, r]) for i, r in enumerate(pre)), pre)
+                   for d in range(1, D + 1) for pre in itertools.product(range(min(K, budget)), repeat=d))
+    t = build_tree(0, lp, ids, budget)
+    got = [tuple(int(t.ranks[j]) for j in t.path_to(i)[1:]) for i in range(1, t.num_nodes)]
+    assert got == [pre for _, pre in order[:budget]]
+    if device_tree_fits(D, K, budget):
+        out = build_tree_device(torch.tensor(0), torch.from_numpy(lp), ids, budget)
+        for a, b in zip(out, (t.tokens, t.depths, t.parents, t.ranks, t.ancestor_mask)):
+            assert torch.equal(a, b)

@@ -3,6 +3,8 @@ the torch build_tree_device. Compiled on a GPU; without one under Triton's inter
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -56,10 +58,10 @@ def test_kernel_equals_heap_without_ties():
 
 
 def test_kernel_with_ties_builds_a_best_first_tree():
-    """Log-probs on a coarse grid (many exact ties, including zeros): the tree may differ from the
-    heap's among tied nodes, but it is a valid best-first tree: parents first, distinct prefixes,
-    tokens / ranks / depths / mask consistent, and the same multiset of node scores as the heap
-    and the torch device builder (the best B prefixes)."""
+    """Log-probs on a coarse grid (many exact ties, including zeros): a valid best-first tree
+    (parents first, distinct prefixes, tokens / ranks / depths / mask consistent, the same multiset
+    of node scores as the heap and the torch device builder: the best B prefixes), and since ties go
+    to the smaller rank prefix in every builder, the heap's and the torch builder's tree node for node."""
     g = torch.Generator().manual_seed(2)
     for D, K, B in _configs(40, 12):
         lp = -(torch.randint(0, 4, (D, K), generator=g).float() * 0.5).sort(-1).values  # descending, tied
@@ -82,6 +84,48 @@ def test_kernel_with_ties_builds_a_best_first_tree():
         dev = _path_scores(t_dev[2], t_dev[1], t_dev[3], lp)
         assert sorted(score.values()) == sorted(_path_scores(heap.parents, heap.depths, heap.ranks, lp).values()) \
             == sorted(dev.values()), (D, K, B)
+        for got, want, twin in zip((tokens, depths, parents, ranks, mask),
+                                   (heap.tokens, heap.depths, heap.parents, heap.ranks, heap.ancestor_mask), t_dev):
+            assert torch.equal(got, want) and torch.equal(twin, want), (D, K, B)
+
+
+def _published_prefixes(lp, B):
+    """The DDTree authors' build_ddtree_tree pop order, written out: every rank prefix (ranks below
+    min(K, B)) sorted by (-score, prefix), the first B. Scores on a dyadic grid, so sums are exact."""
+    D, K = lp.shape
+    K = min(K, B)
+    every = [(-sum(float(lp[i, r]) for i, r in enumerate(pre)), pre)
+             for d in range(1, D + 1) for pre in itertools.product(range(K), repeat=d)]
+    return [pre for _, pre in sorted(every)[:B]]
+
+
+def _prefixes(parents, ranks):
+    out = {0: ()}
+    for n in range(1, parents.shape[0]):
+        out[n] = out[int(parents[n])] + (int(ranks[n]),)
+    return [out[n] for n in range(1, parents.shape[0])]
+
+
+def test_every_builder_breaks_ties_as_the_published_heap():
+    """Hand-made tied scores: the heap, the torch device builder and the kernel build the same tree,
+    node for node, and it is the published heap's (on a tie the smaller rank prefix, so here the
+    deeper node (0, 0) comes before its tied uncle (1,))."""
+    lp = torch.tensor([[-0.5, -1.0], [-0.5, -2.0]])  # (0,) -0.5; (0, 0) and (1,) both -1.0
+    ids = torch.tensor([[10, 11], [20, 21]])
+    cases = [(lp, ids, B) for B in (2, 3)]
+    g = torch.Generator().manual_seed(5)
+    for D, K, B in [(2, 3, 5), (3, 3, 9), (4, 2, 12), (3, 4, 20), (5, 2, 16), (2, 6, 30), (1, 4, 4)] * 3:
+        tied = -(torch.randint(0, 4, (D, K), generator=g).float() * 0.5).sort(-1).values  # descending, tied
+        cases.append((tied, torch.randint(0, 1000, (D, K), generator=g), B))
+    for lp, ids, B in cases:
+        want = _published_prefixes(lp, B)
+        heap = build_tree(7, lp, ids, B)
+        assert _prefixes(heap.parents, heap.ranks) == want, (lp, B)
+        ref = (heap.tokens, heap.depths, heap.parents, heap.ranks, heap.ancestor_mask)
+        for name, got in (("torch", build_tree_device(torch.tensor(7), lp, ids, B)), ("kernel", _kernel_tree(lp, ids, B))):
+            for field, a, b in zip(("tokens", "depths", "parents", "ranks", "mask"), got, ref):
+                assert torch.equal(a, b), (name, field, lp, B)
+    assert build_tree(7, *cases[0][:2], 2).depths.tolist() == [0, 1, 2]
 
 
 def _path_scores(parents, depths, ranks, lp):
