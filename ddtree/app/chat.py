@@ -179,9 +179,6 @@ class ChatSession:
         stats = turn_stats(len(self.messages) - 1, self.method, self.budget, len(ids), reuse, rec, len(reply),
                            interrupted)
         self.turns.append(stats)
-        logger.debug(f"turn {len(self.turns)}: {len(ids)} tokens, {stats['reused_tokens']} reused (common prefix "
-                     f"{stats['common_prefix_tokens']}" + (", a snapshot restored" if reuse and reuse.restored else "")
-                     + f"), {stats['prefilled_tokens']} prefilled")
         return TurnResult(answer, stats, rec)
 
     def settle(self) -> None:
@@ -190,8 +187,10 @@ class ChatSession:
         ids = self._shared(self.messages)
         r = self.conv.settle(ids, taps=self.method != "ar")
         if self.turns:
-            self.turns[-1].update(settle_prefilled_tokens=r.prefilled, settle_s=time.perf_counter() - t0)
-        logger.debug(f"settled at {len(ids)} tokens: {r.reused} kept, {r.prefilled} prefilled")
+            self.turns[-1].update(settle_reused_tokens=r.reused, settle_prefilled_tokens=r.prefilled,
+                                  settle_s=time.perf_counter() - t0)
+        logger.debug(f"settled at {len(ids)} tokens: {r.reused} kept, {r.prefilled} prefilled"
+                     + (" (a boundary restored)" if r.restored else ""))
 
     # ---------------------------------------------------------------- /save, /load
     def document(self) -> dict:
@@ -248,7 +247,7 @@ def turn_stats(message: int, method: str, budget, prompt_tokens: int, reuse, rec
         "rounds": a.get("rounds"), "tokens_per_target_forward": a.get("tokens_per_target_forward"),
         "mean_acceptance_length": a.get("mean_acceptance_length"), "num_drafts": a.get("num_drafts"),
         "num_plain_steps": a.get("num_plain_steps"),
-        "settle_prefilled_tokens": 0, "settle_s": 0.0,
+        "settle_reused_tokens": None, "settle_prefilled_tokens": 0, "settle_s": 0.0,
     }
 
 
@@ -357,6 +356,10 @@ class Repl:
         streamer = _Streamer(self.s.spec.tokenizer, out=self.out)
         result = self.s.send(text, streamer)
         streamer.finish()
+        t = result.stats
+        logger.debug(f"turn {len(self.s.turns)}: {t['prompt_tokens']} tokens, {t['reused_tokens']} reused (common "
+                     f"prefix {t['common_prefix_tokens']}" + (", a boundary restored" if t["restored_snapshot"] else "")
+                     + f"), {t['prefilled_tokens']} prefilled")
         if result.record is None:
             self.say("interrupted: the partial reply is kept in the conversation")
         try:

@@ -6,7 +6,7 @@ the tokens up to it, so the rows of the longest common prefix of the committed t
 rendering of the conversation stay valid as they are (rows past it are overwritten). The Gated
 DeltaNet recurrent and convolution states are one per layer: they cannot be cut back, only
 restored from a snapshot taken at a boundary (per stage fp32 [L, hv, dk, dv] + [L, w-1, C]:
-151 MB for Qwen3.6-27B, next to 64 KiB of K/V per token). A turn restores the latest snapshot
+154 MB for Qwen3.6-27B, next to 64 KiB of K/V per token). A turn restores the latest snapshot
 inside the common prefix (or starts over at 0), prefills the rest from there (`Decoder.prefill`
 with `start=`), taking snapshots at the boundaries its caller names and at the prompt's end, and
 decodes.
