@@ -159,7 +159,7 @@ class ChatSession:
             raise DDTreeError(f"this message does not fit: the conversation would be {len(ids)} tokens, and with "
                               f"--max-new-tokens {self.max_new} it passes --max-length {self.dec.max_len}; the "
                               "conversation is kept (/save it, /reset, or restart with a larger --max-length)") from None
-        self.messages = msgs
+        head = self.head()
         reply: list[int] = []
 
         def got(toks: list[int]) -> None:
@@ -167,7 +167,6 @@ class ChatSession:
             if on_tokens:
                 on_tokens(toks)
 
-        head = self.head()
         rec, interrupted = None, False
         try:
             rec = self.conv.turn(ids, job, self.spec.stop_ids, got, marks=(head,), pin=(head,))
@@ -349,6 +348,8 @@ class Repl:
                     self.reply(line[1:] if line.startswith("//") else line)
             except DDTreeError as e:
                 self.say(f"error: {' '.join(str(e).split())}")
+            except KeyboardInterrupt:  # before the reply began (or a command): nothing was sent
+                self.say("interrupted")
 
     def reply(self, text: str) -> None:
         from ddtree.app.cli import _Streamer

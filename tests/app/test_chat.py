@@ -162,7 +162,8 @@ def test_commands(templated_pair, tmp_path):
 
 
 def chat_command(extra: list = ()) -> list[str]:
-    return [sys.executable, "-m", "ddtree", "chat", *map(str, fixture_model_args("ddtree", n=48)), *map(str, extra)]
+    # replies long enough (~3 s here) for a Ctrl-C to land inside one
+    return [sys.executable, "-m", "ddtree", "chat", *map(str, fixture_model_args("ddtree", n=96)), *map(str, extra)]
 
 
 def test_terminal_session_under_tmux(tmp_path):
@@ -193,7 +194,7 @@ def test_terminal_session_under_tmux(tmp_path):
             s = screen()
             if pred(s):
                 return s
-            time.sleep(0.1)
+            time.sleep(0.02)
         raise AssertionError(f"timed out; the screen:\n{screen()}")
 
     tmux("new-session", "-d", "-s", name, "-x", "160", "-y", "50", "sh", "-c", cmd + "; sleep 600")
@@ -208,12 +209,16 @@ def test_terminal_session_under_tmux(tmp_path):
         wait_for(lambda s: "tokens reused" in s and s.rstrip().endswith(">>>"))
         tmux("send-keys", "-t", name, "-l", MESSAGES[2])
         tmux("send-keys", "-t", name, "Enter")
-        # the reply has started streaming: the line after the message holds text
-        wait_for(lambda s: len(s.split(MESSAGES[2], 1)[-1].strip()) > 0)
+        # a reply of 96 tokens streams for a few seconds: Ctrl-C lands inside it (polling the
+        # screen for its first text was too slow on a loaded machine)
+        wait_for(lambda s: f">>> {MESSAGES[2]}" in s)
+        time.sleep(0.7)
         tmux("send-keys", "-t", name, "C-c")
         s = wait_for(lambda s: "the partial reply is kept" in s and s.rstrip().endswith(">>>"))
         tmux("send-keys", "-t", name, "-l", "half a line")
-        tmux("send-keys", "-t", name, "C-c")  # at the prompt: clears the line
+        wait_for(lambda s: s.rstrip().endswith(">>> half a line"))
+        tmux("send-keys", "-t", name, "C-c")  # at the prompt: clears the line, a new prompt
+        wait_for(lambda s: s.rstrip().endswith(">>>") and "half a line" in s)
         tmux("send-keys", "-t", name, "C-d")
         t0 = time.monotonic()
         while not status.exists() and time.monotonic() - t0 < 60:
@@ -279,3 +284,16 @@ def test_the_same_session_through_a_pipe(tmp_path):
     assert [t["interrupted"] for t in doc["turns"]] == [False, False, True]
     replies = [m["content"] for m in doc["messages"] if m["role"] == "assistant"]
     assert text == "".join(r + "\n" for r in replies)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--system", "@/no/such/file.txt"], "--system @/no/such/file.txt: cannot read"),
+    (["--method", "dflash"], "--method dflash needs a drafter"),
+    (["--budget", "0"], "--budget 0 must be at least 1"),
+])
+def test_bad_input_is_one_error_line_before_loading(templated_pair, args, needle):
+    tdir, _ = templated_pair
+    r = invoke("chat", "--target", tdir, "--devices", "cpu", *args, input="hi\n")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+    assert r.stdout == ""
