@@ -1,4 +1,4 @@
-"""The ``ddtree`` command line: ``generate``, ``bench``, ``plot``, ``selftest``.
+"""The ``ddtree`` command line: ``generate``, ``chat``, ``bench``, ``plan``, ``plot``, ``selftest``.
 
 Every option is defined once, in ``ddtree.app.options``; the commands are built from that
 table. Every command takes ``--config FILE`` (TOML, ``ddtree.app.settings``): flags given on the
@@ -583,6 +583,12 @@ def run_plot(opts: dict, given: frozenset, results: Path) -> list:
     return paths
 
 
+def _chat(opts: dict, given: frozenset) -> int:
+    from ddtree.app.chat import run_chat
+
+    return run_chat(opts, given, _set_stage)
+
+
 def run_plan_command(opts: dict) -> None:
     from ddtree.app.plan import run_plan
 
@@ -597,6 +603,9 @@ def run_selftest_command(opts: dict, given: frozenset) -> None:
 
 _command("generate", lambda opts, given, prompt: run_generate(opts, given, prompt),
          "Generate text for PROMPT (or each prompt of --prompts); only the generated text goes to stdout, streamed.")
+_command("chat", lambda opts, given: _chat(opts, given),
+         "Chat with the target: each turn streams a reply and keeps the conversation's state, so the next turn "
+         "prefills only its new tokens; /help lists the commands.")
 _command("bench", run_bench_command,
          "Benchmark ar / dflash / ddtree (per budget) on a prompt set: a table on stdout, a ddtree.stats/1 JSON file.")
 _command("plan", lambda opts, given: run_plan_command(opts),
@@ -623,7 +632,7 @@ def _version(value: bool):
 def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ):
-    """Exact DDTree speculative decoding: ddtree generate | bench | plot | selftest."""
+    """Exact DDTree speculative decoding: ddtree generate | chat | bench | plan | plot | selftest."""
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-COMMANDS: tuple[str, ...] = ("generate", "bench", "plan", "plot", "selftest")
-GEN, BENCH, PLAN, PLOT, SELFTEST = COMMANDS
-MODEL = (GEN, BENCH)  # the commands that load a checkpoint pair
+COMMANDS: tuple[str, ...] = ("generate", "bench", "plan", "plot", "selftest", "chat")
+GEN, BENCH, PLAN, PLOT, SELFTEST, CHAT = COMMANDS
+MODEL = (GEN, BENCH)  # the commands that load a checkpoint pair for a prompt set
+LOADS = (GEN, CHAT, BENCH)  # the commands that load one
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,14 @@ OPTIONS: tuple[Opt, ...] = (
         argument=True),
     Opt("results", ("RESULTS",), Path, (PLOT,), "Result JSON written by ddtree bench or generate --stats-json (.json or .json.gz)",
         argument=True),
-    Opt("target", ("--target", "-t"), str, MODEL + (PLAN,),
+    Opt("target", ("--target", "-t"), str, LOADS + (PLAN,),
         "Target model: local directory or Hugging Face repo id (Qwen/Qwen3.6-27B); plan reads its config.json only",
         metavar="REF"),
-    Opt("drafter", ("--drafter", "-d"), str, MODEL + (PLAN,),
+    Opt("drafter", ("--drafter", "-d"), str, LOADS + (PLAN,),
         "DFlash drafter: local directory or Hugging Face repo id (z-lab/Qwen3.6-27B-DFlash)", metavar="REF"),
-    Opt("method", ("--method", "-m"), str, (GEN,), "ar, dflash (DFlash chain) or ddtree (draft tree)",
+    Opt("method", ("--method", "-m"), str, (GEN, CHAT), "ar, dflash (DFlash chain) or ddtree (draft tree)",
         default_doc="ddtree with a drafter, else ar", metavar="M"),
-    Opt("budget", ("--budget", "-b"), str, (GEN, PLAN),
+    Opt("budget", ("--budget", "-b"), str, (GEN, CHAT, PLAN),
         "Draft-tree nodes verified per round (ddtree only), or auto: every round picks the budget (4, 8, 15, 32 or 64, "
         "or 0: a plain target step) with the most expected tokens per millisecond (drafter path probabilities times the "
         "acceptance seen so far, over verify costs timed once on this machine per context bucket)",
@@ -100,41 +101,52 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("prompt_tokens", ("--prompt-tokens",), int, (BENCH,),
         "Fit every prompt to exactly N tokens (its text repeated, or cut, inside the chat template): long-context "
         "runs from any prompt set", default_doc="as written", metavar="N", min=1),
-    Opt("max_new_tokens", ("--max-new-tokens", "-n"), int, (GEN, BENCH, SELFTEST), "Tokens to generate per prompt",
-        default={GEN: 256, BENCH: 256, SELFTEST: 48}, default_doc="256 (selftest: 48)", metavar="N", min=1),
-    Opt("temperature", ("--temperature",), float, MODEL, "Sampling temperature; 0 = greedy", default=0.0, metavar="T", min=0),
-    Opt("top_p", ("--top-p",), float, MODEL, "Nucleus sampling mass, in (0, 1]", default=1.0, metavar="P", min=0, max=1),
-    Opt("top_k", ("--top-k",), int, MODEL, "Top-k sampling; 0 = off", default=0, metavar="K", min=0),
-    Opt("seed", ("--seed",), int, MODEL, "Sampling seed", default=0, metavar="S"),
-    Opt("dtype", ("--dtype",), str, MODEL + (PLAN,), "bfloat16, float16 or float32",
-        default={PLAN: "bfloat16"}, default_doc={GEN: "bfloat16 on cuda, float32 on cpu", BENCH: "bfloat16 on cuda, float32 on cpu",
-                                                PLAN: "bfloat16"}, metavar="D"),
-    Opt("devices", ("--devices", "--device"), str, (GEN, BENCH, PLAN, SELFTEST),
+    Opt("max_new_tokens", ("--max-new-tokens", "-n"), int, (GEN, CHAT, BENCH, SELFTEST),
+        "Tokens to generate per prompt (chat: per reply)",
+        default={GEN: 256, CHAT: 256, BENCH: 256, SELFTEST: 48}, default_doc="256 (selftest: 48)", metavar="N", min=1),
+    Opt("temperature", ("--temperature",), float, LOADS, "Sampling temperature; 0 = greedy", default=0.0, metavar="T", min=0),
+    Opt("top_p", ("--top-p",), float, LOADS, "Nucleus sampling mass, in (0, 1]", default=1.0, metavar="P", min=0, max=1),
+    Opt("top_k", ("--top-k",), int, LOADS, "Top-k sampling; 0 = off", default=0, metavar="K", min=0),
+    Opt("seed", ("--seed",), int, LOADS, "Sampling seed", default=0, metavar="S"),
+    Opt("dtype", ("--dtype",), str, LOADS + (PLAN,), "bfloat16, float16 or float32",
+        default={PLAN: "bfloat16"}, default_doc={GEN: "bfloat16 on cuda, float32 on cpu", CHAT: "bfloat16 on cuda, float32 on cpu",
+                                                BENCH: "bfloat16 on cuda, float32 on cpu", PLAN: "bfloat16"}, metavar="D"),
+    Opt("devices", ("--devices", "--device"), str, (GEN, CHAT, BENCH, PLAN, SELFTEST),
         "auto, cpu, cuda:0, or cuda:0,cuda:1 (target layers split over the GPUs by the memory plan; a device may repeat: "
         "cuda:0,cuda:0 is two stages on one GPU; selftest takes one)",
-        default={GEN: "auto", BENCH: "auto", PLAN: None, SELFTEST: "auto"},
-        default_doc={GEN: "auto (cuda:0 if available, else cpu)", BENCH: "auto (cuda:0 if available, else cpu)",
+        default={GEN: "auto", CHAT: "auto", BENCH: "auto", PLAN: None, SELFTEST: "auto"},
+        default_doc={GEN: "auto (cuda:0 if available, else cpu)", CHAT: "auto (cuda:0 if available, else cpu)",
+                     BENCH: "auto (cuda:0 if available, else cpu)",
                      PLAN: "one per --gpu-memory entry, else cuda:0", SELFTEST: "auto (cuda:0 if available, else cpu)"},
         metavar="LIST", toml_types=(list,)),
-    Opt("max_length", ("--max-length",), int, MODEL + (PLAN,),
-        {GEN: "Length of the state buffers (K/V cache) in tokens", BENCH: "Length of the state buffers (K/V cache) in tokens",
-         PLAN: "State length to plan for, in tokens"},
-        default_doc={GEN: "longest prompt + new tokens + tree + 256", BENCH: "longest prompt + new tokens + tree + 256",
-                     PLAN: "the model's max_position_embeddings"}, metavar="L", min=1),
+    Opt("max_length", ("--max-length",), int, LOADS + (PLAN,),
+        {GEN: "Length of the state buffers (K/V cache) in tokens",
+         CHAT: "Length of the state buffers (K/V cache) in tokens: the longest conversation",
+         BENCH: "Length of the state buffers (K/V cache) in tokens", PLAN: "State length to plan for, in tokens"},
+        default_doc={GEN: "longest prompt + new tokens + tree + 256", CHAT: "the model's max_position_embeddings, at most 32768",
+                     BENCH: "longest prompt + new tokens + tree + 256", PLAN: "the model's max_position_embeddings"},
+        metavar="L", min=1),
     Opt("gpu_memory", ("--gpu-memory",), str, (PLAN,),
         "Memory per GPU to plan for, on any machine: 2x48GiB, 48GiB,48GiB or 80GB", default_doc="the visible GPUs' total",
         metavar="SPEC"),
     Opt("attention", ("--attention",), str, (PLAN,),
         "The verify's and draft's attention path to plan for: kernel (the split-KV kernel, no mask), math (SDPA's "
         "dense-mask fallback), fused (cuDNN), auto (what this machine runs)", default="auto", metavar="PATH"),
-    Opt("raw", ("--raw",), bool, MODEL, "Send the prompt as is, without the tokenizer's chat template", default=False,
+    Opt("raw", ("--raw",), bool, LOADS,
+        "Send the prompt as is, without the tokenizer's chat template (chat: a plain transcript)", default=False,
         default_doc="--no-raw", negative="--no-raw"),
-    Opt("thinking", ("--thinking",), bool, MODEL, "enable_thinking in the chat template", default=True,
+    Opt("thinking", ("--thinking",), bool, LOADS, "enable_thinking in the chat template", default=True,
         default_doc="--thinking", negative="--no-thinking"),
-    Opt("top1_first", ("--top1-first",), bool, MODEL, "Put the drafter's top-1 chain in the tree first, then grow best-first",
+    Opt("top1_first", ("--top1-first",), bool, LOADS, "Put the drafter's top-1 chain in the tree first, then grow best-first",
         default=False, negative="--no-top1-first"),
     Opt("tp", ("--tp",), int, MODEL, "Tensor parallelism: shard the target over N ranks (NCCL on GPUs, gloo on CPU)",
         default=1, metavar="N", min=1),
+    Opt("system", ("--system",), str, (CHAT,),
+        "The system prompt: TEXT, or @FILE to read it from a file (a target without a chat template: the transcript's "
+        "first line)", metavar="TEXT|@FILE"),
+    Opt("chat", ("--chat",), bool, (PLAN,),
+        "Plan for ddtree chat: add its snapshots of the GDN states at turn boundaries", default=False,
+        negative="--no-chat"),
     Opt("stats_json", ("--stats-json",), Path, (GEN,),
         "Write the per-round statistics of the run (ddtree.stats/1 JSON; gzipped when PATH ends in .gz)", metavar="PATH"),
     Opt("jsonl", ("--jsonl",), bool, (GEN,),

@@ -179,6 +179,7 @@ ROW_LABELS = {
     "K/V cache": "K/V cache",
     "GDN states": "GDN states (conv + fp32 recurrent)",
     "GDN tree scratch": "GDN tree-verify scratch",
+    "GDN snapshots": "GDN snapshots (chat's turn boundaries)",
     "rope tables": "rope tables",
     "drafter K/V + rope": "drafter K/V cache + rope",
     "deferred context": "deferred drafter context (auto)",
@@ -433,18 +434,18 @@ def fla_in_use(devices, options=None) -> bool:
 
 def plan_for_devices(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, devices: Sequence[Any],
                      max_len: int, dtype: Any, room: int | None = None, name: str = "target",
-                     auto: bool = False) -> Split | None:
+                     auto: bool = False, snapshots: int = 0) -> Split | None:
     """The check before loading: plan against the free memory of the real CUDA devices and raise
     the one-line error if it does not fit; -> the split to load with (None on CPU: no check).
     room: nodes of the largest tree a round verifies (default: the most a forward may hold);
-    auto: --budget auto runs (its deferred drafter context)."""
+    auto: --budget auto runs (its deferred drafter context); snapshots: ddtree chat's GDN state snapshots."""
     if any(str(x).startswith("cpu") for x in devices):
         return None
     caps = gpu_capacities([str(x) for x in devices], "free")
     path = attention_path(devices, target_cfg, drafter_cfg, dtype)
     plan = plan_memory(target_cfg, drafter_cfg, list(devices), caps, max_len, dtype, attention=path,
                        verify_nodes=room or Workload.tree_capacity, capacity_kind="free", name=name, search=False,
-                       fla=fla_in_use(devices), deferred=auto and drafter_cfg is not None)
+                       fla=fla_in_use(devices), deferred=auto and drafter_cfg is not None, snapshots=snapshots)
     if not plan.fits:
         plan.largest = largest_max_len(target_cfg, drafter_cfg, list(devices), plan.split.workload, plan.capacities)
         check_fits(plan)
@@ -506,7 +507,8 @@ def run_plan(opts: dict, gpu_memory: str | None = None, attention: str = "auto",
         caps, kind = _capacity_map(sizes, list(dict.fromkeys(devices))), "total"
         path = default_attention() if attention == "auto" else attention
     plan = plan_memory(t, d, devices, caps, max_len, dtype, attention=path, verify_nodes=_verify_nodes(budget, d),
-                       capacity_kind=kind, name=str(opts.get("target")), deferred=budget == "auto" and d is not None)
+                       capacity_kind=kind, name=str(opts.get("target")), deferred=budget == "auto" and d is not None,
+                       snapshots=mem.CHAT_SNAPSHOTS if opts.get("chat") else 0)
     print(format_plan(plan), flush=True)
     check_fits(plan)
     return plan

@@ -529,7 +529,7 @@ def check_length(n_prompt: int, max_new_tokens: int, room: int, max_length: int 
 
 
 def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callable[[str], None] | None = None,
-                room: int | None = None, auto: bool = False) -> Loaded:
+                room: int | None = None, auto: bool = False, snapshots: int = 0) -> Loaded:
     from ddtree.app.plan import plan_for_devices
     from ddtree.decode.decoder import Decoder
     from ddtree.model.checkpoint import load_drafter, load_target
@@ -540,7 +540,7 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
     dev_names = ",".join(str(d) for d in spec.devices)
     stage("planning memory")  # before any weight is read: one error line naming what fits (None on CPU)
     split = plan_for_devices(spec.target_cfg, spec.drafter_cfg if with_drafter else None, spec.devices, max_len,
-                             spec.dtype, room, name=spec.target_ref, auto=auto)
+                             spec.dtype, room, name=spec.target_ref, auto=auto, snapshots=snapshots)
     stage("loading the target")
     logger.info(f"loading target {spec.target_ref} ({spec.dtype_name}, {dev_names}, max length {max_len})")
     target, _ = load_target(str(spec.target_dir), spec.devices, spec.dtype, max_len,

@@ -293,6 +293,15 @@ class Decoder:
         if self.drafter is not None:
             self.drafter.compile_layers = False
 
+    def use_compile(self, drafter: bool = True):
+        """The target's and the drafter's layers compiled or not, as this decoder runs them (before
+        a prefill or the rounds; drafter=False: the drafter eager, for a short prefill)."""
+        self.target.compile_layers = self.compile
+        if self.drafter is not None:
+            self.drafter.compile_layers = self.compile and drafter
+        if drafter:
+            self._notice_compile()
+
     def _notice_compile(self):
         if self.compile and not self._compile_noticed:
             _log().info("compiling the layers for this GPU (first use in this process; inductor caches it on disk; "
@@ -384,37 +393,41 @@ class Decoder:
         return Job(method, budget, auto, k, sampling, max_new_tokens, seed, top1_first)
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: list[int], job: Job) -> Prefilled:
+    def prefill(self, prompt_ids: list[int], job: Job, start: int = 0, taps: bool | None = None) -> Prefilled:
         """Reset the state, run the prompt through the target (in chunks; the drafter's context
         grows chunk by chunk), choose the first token and draft the first block. The generator
-        (job's seed) carries on into `decode`."""
+        (job's seed) carries on into `decode`.
+
+        start > 0 continues from a kept state instead of a reset: the target's committed state
+        holds prompt_ids[:start] (and the drafter's context, where taps are on, start rows), so
+        only the rest is prefilled (ddtree.decode.conversation). taps: the drafter's context
+        from the prompt (default: for every method but `ar`)."""
         tgt, dev = self.target, self.device
-        taps_on = job.method != "ar"
+        drafts = job.method != "ar"
+        taps_on = drafts if taps is None else taps and self.drafter is not None
         gen = None
         if job.seed is not None:
             gen = torch.Generator(device=dev)
             gen.manual_seed(job.seed)
-        # A short prompt takes the eager prefill layers and the torch GDN chain, and the drafter's
+        # A short prefill takes the eager prefill layers and the torch GDN chain, and the drafter's
         # context and first block run eagerly: compiling them and tuning fla's kernels would cost
         # more than they save on it (options.prefill_fast_min); the rounds compile what they need.
-        fast = len(prompt_ids) >= self.options.prefill_fast_min
-        tgt.reset()
-        tgt.compile_layers = self.compile
-        if self.drafter is not None:
-            self.drafter.reset()
-            self.drafter.compile_layers = self.compile and fast
-        if fast:
-            self._notice_compile()
+        fast = len(prompt_ids) - start >= self.options.prefill_fast_min
+        self.use_compile(drafter=fast)
+        if start == 0:
+            tgt.reset()
+            if self.drafter is not None:
+                self.drafter.reset()
         sync(dev)
         t0 = time.perf_counter()
         with self.startup.phase("prefill"):
-            prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
+            prompt = torch.tensor(prompt_ids[start:], dtype=torch.long, device=dev)
             # no taps for `ar` (a drafter may be loaded for other methods): kept, they would be the whole prompt's
-            logits, _ = tgt.prefill(prompt, want_taps=taps_on, on_taps=self.drafter.add_context if taps_on else None,
-                                    fast=fast)
+            logits, _ = tgt.prefill(prompt, start=start, want_taps=taps_on,
+                                    on_taps=self.drafter.add_context if taps_on else None, fast=fast)
             bonus_d = choose(logits[None], job.sampling, gen)[0]
             draft = None
-            if taps_on:
+            if drafts:
                 k = job.k
                 lp, ids = self.draft_topk(bonus_d, self.kv_len(len(prompt_ids)), k, job.sampling)
                 host = torch.cat([bonus_d.view(1).float(), lp.flatten(), ids.flatten().float()]).cpu().numpy()
@@ -437,9 +450,7 @@ class Decoder:
             on_tokens([pre.bonus])
         start = pre.prompt_len
         self.start_d.fill_(start)
-        if self.drafter is not None:
-            self.drafter.compile_layers = self.compile  # (a short prompt's prefill ran it eagerly)
-        self._notice_compile()
+        self.use_compile()  # (a short prefill ran the drafter eagerly)
         pipeline = not self.options.host_rounds and not (job.top1_first and method == "ddtree")
         chooser = self.calibrate(start, sampling.greedy, plain=pipeline) if job.auto and method == "ddtree" else None
         clock = StageClock(dev)

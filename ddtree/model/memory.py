@@ -155,6 +155,18 @@ def gdn_group_bytes(cfg: TargetConfig, n_gdn: int, dtype, tree_capacity: int) ->
     }
 
 
+#: ddtree.decode.conversation.SNAPSHOTS: the GDN state snapshots `ddtree chat` keeps (mirrored here so
+#: that no torch import is needed; a test keeps them equal)
+CHAT_SNAPSHOTS = 4
+
+
+def gdn_snapshot_bytes(cfg: TargetConfig, n_gdn: int, dtype, snapshots: int) -> int:
+    """ddtree.decode.conversation.Conversation's snapshots on a device: `snapshots` copies of its
+    GDNGroup's conv [n, w-1, C] and fp32 recurrent states [n, hv, dk, dv] (no scratch)."""
+    g = gdn_group_bytes(cfg, n_gdn, dtype, 0)
+    return snapshots * (g["conv"] + g["recurrent"])
+
+
 def target_rope_bytes(cfg: TargetConfig, max_len: int) -> int:
     """cos and sin fp32 [max_len, rotary_dim], on every device that holds layers."""
     return 2 * max_len * cfg.rotary_dim * F32

@@ -37,6 +37,7 @@ class Workload:
     fla: bool = True  # the prefill's GDN chain through fla's chunk kernel (Kernels.fla); False: gdn.chain_chunked
     deferred: bool = False  # --budget auto: its DeferredContext on the drafter's device
     verify_nodes: int = 33  # nodes of the largest tree verified (budget + root; --budget 32 by default)
+    snapshots: int = 0  # ddtree chat: GDN state snapshots at turn boundaries (memory.CHAT_SNAPSHOTS)
     graphs: bool | None = None  # CUDA graphs: None = the Decoder's rule (on CUDA; a split unless DDTREE_EAGER_SPLIT=1)
     graph_buckets: int = 2  # context buckets whose captured graphs are alive at once (see gpu_rows)
     workspace: int = GiB  # per GPU: cuBLAS / cuDNN workspaces, Triton and inductor kernel images
@@ -102,7 +103,7 @@ def _prefix(xs: list[int]) -> list[int]:
 
 #: row names of a device's table, in order; EXACT rows first, then the estimates
 EXACT_ROWS = ("GDN weights", "attention weights", "MLP weights", "norms", "embedding", "final norm + lm_head",
-              "drafter weights", "K/V cache", "GDN states", "GDN tree scratch", "rope tables", "drafter K/V + rope",
+              "drafter weights", "K/V cache", "GDN states", "GDN tree scratch", "GDN snapshots", "rope tables", "drafter K/V + rope",
               "deferred context")
 ESTIMATE_ROWS = ("activations", "graph pools", "workspace")
 WEIGHT_ROWS = EXACT_ROWS[:7]
@@ -131,6 +132,7 @@ def stage_rows(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, start: 
     g = mem.gdn_group_bytes(cfg, n_gdn, dt, wl.tree_capacity)
     rows["GDN states"] = g["conv"] + g["recurrent"]
     rows["GDN tree scratch"] = g["scratch"]
+    rows["GDN snapshots"] = mem.gdn_snapshot_bytes(cfg, n_gdn, dt, wl.snapshots)
     return rows
 
 

@@ -154,6 +154,19 @@ def test_budget_auto_plans_the_deferred_context_on_the_drafters_gpu():
     assert "deferred drafter context (auto)" in format_plan(plan)
 
 
+def test_chat_plans_its_gdn_snapshots_on_every_gdn_gpu():
+    """ddtree chat (plan --chat) keeps mem.CHAT_SNAPSHOTS copies of each GPU's GDN states: 4 x 154 MB
+    over the 27B target's 48 GDN layers, split as the layers are."""
+    plain = qplan("2x48GiB", 131072, "math", search=False)
+    plan = qplan("2x48GiB", 131072, "math", search=False, snapshots=mem.CHAT_SNAPSHOTS)
+    rows = {g: r["GDN snapshots"] for g, r in plan.split.gpus.items()}
+    assert {g: r["GDN snapshots"] for g, r in plain.split.gpus.items()} == {g: 0 for g in rows}
+    assert all(rows[g] == mem.CHAT_SNAPSHOTS * plan.split.gpus[g]["GDN states"] for g in rows)
+    assert sum(rows.values()) == mem.CHAT_SNAPSHOTS * mem.gdn_snapshot_bytes(T, 48, "bfloat16", 1)
+    assert round(sum(rows.values()) / mem.CHAT_SNAPSHOTS / 1e6) == 154  # 151 MB of fp32 recurrent states, 3 of conv rows
+    assert "GDN snapshots (chat's turn boundaries)" in format_plan(plan)
+
+
 def test_format_plan_table():
     plan = qplan("2x48GiB", 131072, "math", graphs=False)
     text = format_plan(plan)
