@@ -12,7 +12,7 @@ import torch
 from helpers import rel_err, tiny_cpu_each_test  # noqa: F401 (autouse)
 from ddtree.decode.conversation import SNAPSHOTS, Conversation, common_prefix
 from ddtree.model import memory as mem
-from ddtree.model.synthetic import build_random_pair
+from ddtree.decode.random_pair import build_random_pair
 
 TOL = 5e-5  # a prefill split at other points: float32 rounding of the chunked recurrence apart
 
