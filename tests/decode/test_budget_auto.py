@@ -27,15 +27,27 @@ def test_steep_cost_picks_a_small_tree():
     assert b == 4
 
 
-def test_acceptance_ratio_and_fixed_cost_are_learnt():
+def test_acceptance_ratio_and_round_costs_are_learnt():
     ch = BudgetChooser({4: 10.0, 64: 14.0})
     scores = _scores([0.6] * 4 + [0.3] * 60)  # E_q(4) = 2.4, E_q(64) = 20.4
     assert ch.pick(scores)[0] == 64  # trusting the drafter, the big tree pays
     for _ in range(30):  # but the target accepts nothing the drafter proposes
         ch.update(64, 20.4, 0, wall_ms=20.0)
-    assert ch.acc / ch.pred < 0.01
-    assert abs(ch.fixed_ms - 6.0) < 1e-6
+    assert ch.acc / ch.pred < 0.01 and ch.ratio(64) < 0.01
+    assert ch.cost(64) == 20.0  # the whole round, measured
+    assert abs(ch.cost(4) - 16.0) < 1e-9  # an arm not yet timed: its verify + what timed trees spent beyond theirs
     assert ch.pick(scores)[0] == 4  # then the cheaper verify wins
+
+
+def test_round_costs_are_medians_of_timed_rounds():
+    """A round that captured a graph (or round 0) is not timed, and one slow round among timed ones
+    moves an arm's cost no more than a median lets it: one outlier does not lock an arm out."""
+    ch = BudgetChooser({15: 1.0}, plain_ms=0.5)
+    ch.update(15, 2.0, 2, wall_ms=None)  # not timed
+    assert ch.cost(15) == 1.0
+    for ms in (1.5, 400.0, 1.6, 1.4):
+        ch.update(15, 2.0, 2, wall_ms=ms)
+    assert 1.4 <= ch.cost(15) <= 1.6
 
 
 def test_auto_budget_decoding_is_exact():
@@ -85,8 +97,8 @@ def test_auto_rounds_ahead_equal_host_loop_under_forced_switches(kind, monkeypat
 
 
 def test_plain_step_wins_only_where_trees_cannot_pay():
-    """Budget 0 (a plain step, no drafter) against trees: chosen when one token per plain step
-    beats the trees' expected tokens per ms, and its fixed cost is learnt from its rounds."""
+    """Budget 0 (a plain step, no drafter) against trees: chosen when one token per plain round
+    beats the trees' expected tokens per ms of their whole rounds, each measured on its own rounds."""
     scores = _scores([0.6] * 4 + [0.3] * 60)  # E_q(4) = 2.4, E_q(64) = 20.4
     ch = BudgetChooser({4: 10.0, 64: 14.0}, plain_ms=9.0)
     assert ch.pick(scores)[0] == 64  # a 64-node tree: ~21 tokens in 14 ms against 1 in 9 ms
@@ -95,8 +107,22 @@ def test_plain_step_wins_only_where_trees_cannot_pay():
     assert ch.pick(scores) == (0, 0.0)  # 1 token in 9 ms beats 1 in 16 ms
     for _ in range(30):  # but plain steps turn out to cost 25 ms each
         ch.update_plain(25.0)
-    assert abs(ch.fixed_plain_ms - 16.0) < 1e-6 and ch.pick(scores)[0] == 4
+    assert ch.cost(0) == 25.0 and ch.pick(scores)[0] == 4
     assert BudgetChooser({4: 10.0}).pick(scores)[0] == 4  # no plain_ms: trees only
+
+
+def test_a_new_chooser_starts_from_what_the_decoder_measured():
+    """Generations of one decoder share an AutoMemory: round costs, acceptance and the probe interval."""
+    from ddtree.decode.budget import AutoMemory, PLAIN_PROBE
+
+    mem = AutoMemory()
+    first = BudgetChooser({4: 10.0}, plain_ms=9.0, memory=mem)
+    first.update_plain(30.0)
+    first.update(4, 2.0, 2, wall_ms=12.0)
+    first.probe_answered(0)
+    second = BudgetChooser({4: 10.0}, plain_ms=9.0, memory=mem)
+    assert second.cost(0) == 30.0 and second.cost(4) == 12.0 and second.probe_every == 2 * PLAIN_PROBE
+    assert second.ratio(4) == first.ratio(4)
 
 
 def test_staged_tree_follows_the_choice_and_climbs():
