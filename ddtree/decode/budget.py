@@ -34,11 +34,9 @@ AUTO_TOPK = 32  # drafter top-k columns of auto's trees (a 64-node tree rarely n
 PLAIN_PROBE = 16  # auto: after this many plain steps in a row, one drafts again (a fresh E_q curve)
 PLAIN_PROBE_MAX = DEFERRED_ROWS  # ... and after probes that did not pay, up to this many (doubling; the
 #                                  drafter's cache has room for that many deferred context rows)
-CLIMB_EVERY = 8  # auto: two rounds in this many stage a tree one budget above the choice
 
 
 ROUND_SAMPLES = 8  # auto: an arm's round cost is the median of its last this many timed rounds
-PRIOR_WEIGHT = 1.0  # auto: an arm's acceptance ratio leans on the pooled one by this much E_q
 
 
 class AutoMemory:
@@ -49,14 +47,13 @@ class AutoMemory:
     round_ms: arm -> the wall ms of its last ROUND_SAMPLES timed rounds (arm 0: a plain step; a
               round is timed from the host's read of the round before it to its own read, so it
               is the whole round: verify, step, drafter, tree, prefix copy and host work);
-    acc, pred: the decayed sums of accepted draft tokens and of E_q, pooled (key None) and per budget;
+    acc, pred: the decayed sums of accepted draft tokens and of E_q over the tree rounds;
     probe_every: the plain-run length after which a plain step drafts again (a probe)."""
 
     def __init__(self):
         self.round_ms: dict[int, deque] = {}
         self.cost_ms: dict[int, float] = {}  # arm -> the median of round_ms[arm]
-        self.acc: dict = {None: 1.0}  # prior: the drafter's probabilities are honest
-        self.pred: dict = {None: 1.0}
+        self.acc = self.pred = 1.0  # prior: the drafter's probabilities are honest
         self.probe_every = PLAIN_PROBE
 
 
@@ -72,8 +69,8 @@ class BudgetChooser:
     arm has a timed round, its calibrated verify (`verify_ms`, `plain_ms`: one timed verify per
     budget) plus what the timed arms of its kind (plain, or trees) spent beyond their verifies.
     E_q(b) is the sum of the drafter's path probabilities over the tree's first b nodes (the
-    expected accepted length if the drafter were calibrated); ratio(b) = accepted / E_q over the
-    rounds of budget b, leaning on the pooled ratio by PRIOR_WEIGHT. The pop order of a best-first
+    expected accepted length if the drafter were calibrated); ratio = accepted / E_q over the tree
+    rounds so far (decayed). The pop order of a best-first
     tree is the same for every budget, so the tree of budget b is the first b + 1 nodes of the largest one.
 
     After PLAIN_PROBE plain steps in a row (or sooner, once the measurements say a tree would pay)
@@ -102,16 +99,16 @@ class BudgetChooser:
 
     @property
     def acc(self) -> float:
-        return self.mem.acc[None]
+        return self.mem.acc
 
     @property
     def pred(self) -> float:
-        return self.mem.pred[None]
+        return self.mem.pred
 
     def ratio(self, b: int) -> float:
-        """accepted / E_q of budget b's rounds, shrunk towards the pooled ratio."""
-        pooled = self.acc / self.pred
-        return (self.mem.acc.get(b, 0.0) + PRIOR_WEIGHT * pooled) / (self.mem.pred.get(b, 0.0) + PRIOR_WEIGHT)
+        """accepted / E_q over the tree rounds so far, pooled over budgets (a ratio per budget
+        would learn only from the budgets chosen, and keep the others where an unlucky round left them)."""
+        return self.acc / self.pred
 
     def _base(self, arm: int) -> float:
         return self.plain_ms if arm == 0 else self.verify_ms[arm]
@@ -146,6 +143,12 @@ class BudgetChooser:
         best = max(rate, key=rate.get)
         return best, eq.get(best, 0.0)
 
+    def sample_budget(self, eq: dict[int, float], cap: int) -> int:
+        """The budget a probe's sample verifies: the tree the model likes best, up to cap."""
+        rate = self.rates(eq, cap)
+        rate.pop(0, None)
+        return max(rate, key=rate.get) if rate else cap
+
     def wants_tree(self, eq: dict[int, float]) -> bool:
         """During plain steps: would a tree pay now, on the latest E_q seen? (Then the next plain
         step drafts: a probe before its interval is up.)"""
@@ -154,14 +157,14 @@ class BudgetChooser:
     def build_for(self, b: int, r: int) -> int:
         """The budget of the tree round r's step stages for round r + 1, given round r's own budget
         b (0: a plain step). Building bigger than the choice costs more drafting work than it
-        returns, so it is b itself, except in two consecutive rounds of every CLIMB_EVERY, one
-        budget above b (the next round then sees a bigger tree's E_q and may truncate it: the
-        choice can climb); after plain steps, the last tree budget chosen."""
+        returns, so it is one budget above b (the next round then sees the bigger tree's E_q and
+        may truncate it: the choice can climb every round); after plain steps, the last tree
+        budget chosen."""
         if b == 0:
             return self.last_tree
         self.last_tree = b
         up = [x for x in sorted(self.verify_ms) if x > b]
-        return up[0] if up and r % CLIMB_EVERY < 2 else b
+        return up[0] if up else b
 
     def probe_answered(self, b: int):
         """The budget chosen right after a probe: plain again doubles the probe interval, a tree resets it."""
@@ -182,9 +185,7 @@ class BudgetChooser:
     def update(self, budget: int, predicted: float, accepted: int, wall_ms: float | None):
         """A tree round of `budget`: its E_q, the draft tokens it accepted, its wall time."""
         d, m = self.decay, self.mem
-        for key in (None, budget):
-            m.acc[key] = d * m.acc.get(key, 0.0) + accepted
-            m.pred[key] = d * m.pred.get(key, 0.0) + max(predicted, 1e-6)
+        m.acc, m.pred = d * m.acc + accepted, d * m.pred + max(predicted, 1e-6)
         self.timed(budget, wall_ms)
 
 
@@ -286,9 +287,12 @@ class Auto(Policy):
     A plain step costs what an `ar` step costs: its verify is the bonus alone, its step walks,
     commits and keeps the root's tap row aside ("defer"; the drafter's context gets the deferred
     rows at the next drafting step, "flush"), and writes the chosen token as the next root. Every
-    chooser.probe_every-th plain step in a row drafts again (a probe), and the round after it
-    verifies that tree whatever the chooser thinks: the acceptance ratio only learns from trees
-    verified, so without that sample one bad start would keep auto on plain steps for good."""
+    chooser.probe_every-th plain step in a row drafts again (a probe; sooner where the chooser's
+    measurements say a tree would pay), and the round after it verifies a tree of it whatever the
+    chooser thinks (BudgetChooser.sample_budget): the acceptance ratio only learns from trees
+    verified, so without that sample one bad start would keep auto on plain steps for good.
+    Rounds are timed by `clock` between the host's reads, except round 0 and rounds during which
+    a graph was captured (`new_keys` moved)."""
 
     chooser: BudgetChooser
     block: int
@@ -327,8 +331,8 @@ class Auto(Policy):
         ch = self.chooser
         after_tree = self.drafted[r - 1]
         src = self.staged[r - 1]
-        if after_tree and self.plain_run:  # the round after a probe verifies its tree: an acceptance sample
-            b, self.sampled = src, True
+        if after_tree and self.plain_run:  # the round after a probe verifies a tree of it: an acceptance sample
+            b, self.sampled = ch.sample_budget(self.latest, src), True
         elif after_tree:
             b = ch.pick_eq(self.latest, cap=src)[0]
             if self.sampled:  # the choice after that sample: another plain step backs the probes off

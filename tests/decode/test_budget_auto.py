@@ -126,19 +126,17 @@ def test_a_new_chooser_starts_from_what_the_decoder_measured():
 
 
 def test_staged_tree_follows_the_choice_and_climbs():
-    """Rounds ahead, auto stages the tree it chose (not the largest), one budget up in two
-    consecutive rounds of every CLIMB_EVERY (so the next choice can take the bigger tree), and
-    after plain steps the last tree budget chosen; an E_q curve only offers what the staged tree covers."""
-    from ddtree.decode.budget import CLIMB_EVERY
-
+    """Rounds ahead, auto stages one budget above the tree it chose (not the largest), so the next
+    choice can take the bigger tree, and after plain steps the last tree budget chosen; an E_q
+    curve only offers what the staged tree covers."""
     ch = BudgetChooser({4: 1.0, 8: 1.0, 15: 1.0, 32: 1.0, 64: 1.0}, plain_ms=0.5)
     assert ch.build_for(0, 5) == 15  # no tree chosen yet: the chain's size
-    assert [ch.build_for(15, r) for r in range(2 * CLIMB_EVERY)] == \
-        ([32, 32] + [15] * (CLIMB_EVERY - 2)) * 2
+    assert [ch.build_for(15, r) for r in range(4)] == [32] * 4
     assert ch.build_for(0, 3) == 15 and ch.build_for(64, 0) == 64 and ch.build_for(4, 1) == 8
     assert ch.build_for(0, 2) == 4
     eq = {4: 3.0, 8: 5.0}  # a tree of budget 8: cheap verifies, so the largest covered wins
     assert ch.pick_eq(eq)[0] == 8 and ch.pick_eq(eq, cap=4)[0] == 4
+    assert ch.sample_budget({4: 3.0, 8: 5.0, 15: 5.1}, cap=8) == 8  # a probe's sample: the best tree it covers
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "dense"])
