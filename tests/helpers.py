@@ -262,9 +262,6 @@ def forced_chooser(cycle: list[int] = AUTO_CYCLE, probe_every: int | None = None
         def wants_tree(self, eq):  # plain runs end only where the cycle or the probe interval says
             return False
 
-        def sample_budget(self, eq, cap):  # a probe's sample verifies the whole staged tree
-            return cap
-
     return Forced
 
 

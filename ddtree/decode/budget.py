@@ -143,12 +143,6 @@ class BudgetChooser:
         best = max(rate, key=rate.get)
         return best, eq.get(best, 0.0)
 
-    def sample_budget(self, eq: dict[int, float], cap: int) -> int:
-        """The budget a probe's sample verifies: the tree the model likes best, up to cap."""
-        rate = self.rates(eq, cap)
-        rate.pop(0, None)
-        return max(rate, key=rate.get) if rate else cap
-
     def wants_tree(self, eq: dict[int, float]) -> bool:
         """During plain steps: would a tree pay now, on the latest E_q seen? (Then the next plain
         step drafts: a probe before its interval is up.)"""
@@ -288,9 +282,9 @@ class Auto(Policy):
     commits and keeps the root's tap row aside ("defer"; the drafter's context gets the deferred
     rows at the next drafting step, "flush"), and writes the chosen token as the next root. Every
     chooser.probe_every-th plain step in a row drafts again (a probe; sooner where the chooser's
-    measurements say a tree would pay), and the round after it verifies a tree of it whatever the
-    chooser thinks (BudgetChooser.sample_budget): the acceptance ratio only learns from trees
-    verified, so without that sample one bad start would keep auto on plain steps for good.
+    measurements say a tree would pay), and the round after it verifies that tree whatever the
+    chooser thinks (a smaller sample would leave a smaller staged tree, and the choice after it
+    only that to pick from): the acceptance ratio only learns from trees verified, so without that sample one bad start would keep auto on plain steps for good.
     Rounds are timed by `clock` between the host's reads, except round 0 and rounds during which
     a graph was captured (`new_keys` moved)."""
 
@@ -331,8 +325,8 @@ class Auto(Policy):
         ch = self.chooser
         after_tree = self.drafted[r - 1]
         src = self.staged[r - 1]
-        if after_tree and self.plain_run:  # the round after a probe verifies a tree of it: an acceptance sample
-            b, self.sampled = ch.sample_budget(self.latest, src), True
+        if after_tree and self.plain_run:  # the round after a probe verifies its tree: an acceptance sample
+            b, self.sampled = src, True
         elif after_tree:
             b = ch.pick_eq(self.latest, cap=src)[0]
             if self.sampled:  # the choice after that sample: another plain step backs the probes off
