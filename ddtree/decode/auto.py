@@ -13,16 +13,31 @@ import time
 import torch
 from loguru import logger
 
-from ddtree.decode.budget import AUTO_BUDGETS, Auto, AutoMemory, BudgetChooser, Chain, PlainSteps
+from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, Auto, AutoMemory, BudgetChooser, Chain, PlainSteps
 from ddtree.decode.clock import sync
 from ddtree.decode.graphs import VerifyKey
+from ddtree.decode.sampling import SamplingParams
 from ddtree.ops.tree import Tree, device_tree_fits
 
 
-def verify_costs(dec, start: int, greedy: bool) -> dict[int, float]:
-    """ms of one verify of b + 1 nodes for b in (0,) + AUTO_BUDGETS (0: the bonus alone) that fit
-    before max_len, on the live state (a verify commits nothing): the median of three, each
-    captured or compiled first."""
+def timed_ms(dec, fn) -> float:
+    """The median of three timed runs of fn (after one untimed: a capture or compile)."""
+    fn()
+    times = []
+    for _ in range(3):
+        sync(dec.device)
+        t0 = time.perf_counter()
+        fn()
+        sync(dec.device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def verify_costs(dec, start: int, greedy: bool) -> tuple[dict[int, float], float]:
+    """-> (ms of one verify of b + 1 nodes for b in (0,) + AUTO_BUDGETS (0: the bonus alone) that
+    fit before max_len, ms of one draft), on the live state (a verify commits nothing; a draft
+    writes its block past the drafter's context). The draft is timed only where rounds are not
+    graphed: eagerly on a GPU it would cost launches a graphed round does not pay (0 there)."""
     verify_ms = {}
     for b in (0,) + AUTO_BUDGETS:
         T = b + 1
@@ -31,17 +46,14 @@ def verify_costs(dec, start: int, greedy: bool) -> dict[int, float]:
         slot = dec.slot(T)
         slot.load(Tree.chain(torch.zeros(T, dtype=torch.long)))
         vkey = VerifyKey(T, dec.kv_len(start + T), greedy, True)
-        fn = lambda: dec.graphs.run(vkey, lambda: dec._verify(slot, vkey))  # noqa: E731
-        fn()  # (captured on first use)
-        times = []
-        for _ in range(3):
-            sync(dec.device)
-            t0 = time.perf_counter()
-            fn()
-            sync(dec.device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        verify_ms[b] = sorted(times)[1]
-    return verify_ms
+        verify_ms[b] = timed_ms(dec, lambda: dec.graphs.run(vkey, lambda: dec._verify(slot, vkey)))
+    draft_ms = 0.0
+    if not dec.use_graphs and start + 2 * dec.block_size <= dec.max_len:
+        bonus = torch.zeros((), dtype=torch.long, device=dec.device)
+        kv = dec.kv_len(start + dec.block_size)
+        k = min(AUTO_TOPK, dec.target.cfg.vocab_size)
+        draft_ms = timed_ms(dec, lambda: dec.draft_topk(bonus, kv, k, SamplingParams()))
+    return verify_ms, draft_ms
 
 
 def calibrate(dec, start: int, greedy: bool, plain: bool = False) -> BudgetChooser:
@@ -52,17 +64,17 @@ def calibrate(dec, start: int, greedy: bool, plain: bool = False) -> BudgetChoos
     big = start + max(AUTO_BUDGETS) + 1
     key = (dec.kv_len(big), greedy, big + dec.block_size > dec.max_len)
     if key in dec._verify_cost:
-        verify_ms, memory = dec._verify_cost[key]
+        verify_ms, draft_ms, memory = dec._verify_cost[key]
     else:
-        verify_ms, memory = verify_costs(dec, start, greedy), AutoMemory()
+        (verify_ms, draft_ms), memory = verify_costs(dec, start, greedy), AutoMemory()
         if not key[2]:
-            dec._verify_cost[key] = verify_ms, memory
+            dec._verify_cost[key] = verify_ms, draft_ms, memory
     cost = dict(verify_ms)
     plain_ms = cost.pop(0, None)
     logger.debug(f"--budget auto: verify ms per budget {', '.join(f'{b}: {ms:.2f}' for b, ms in cost.items())}; "
-                 f"plain step {plain_ms if plain_ms is None else f'{plain_ms:.2f}'}; round ms measured "
-                 f"{ {b: round(ms, 2) for b, ms in sorted(memory.cost_ms.items())} }")
-    return dec.chooser_class(cost, plain_ms=plain_ms if plain else None, memory=memory)
+                 f"plain step {plain_ms if plain_ms is None else f'{plain_ms:.2f}'}; draft {draft_ms:.2f}; round ms "
+                 f"measured {({b: round(ms, 2) for b, ms in sorted(memory.cost_ms.items())})}")
+    return dec.chooser_class(cost, plain_ms=plain_ms if plain else None, memory=memory, draft_ms=draft_ms)
 
 
 def policy_for(dec, method: str, budget: int, k: int, chooser: BudgetChooser | None):

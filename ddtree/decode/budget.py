@@ -67,7 +67,8 @@ class BudgetChooser:
     cost(arm) is what the arm's rounds measured on this machine (the median of its last
     ROUND_SAMPLES timed rounds: round 0 and rounds that captured a graph are not timed); until an
     arm has a timed round, its calibrated verify (`verify_ms`, `plain_ms`: one timed verify per
-    budget) plus what the timed arms of its kind (plain, or trees) spent beyond their verifies.
+    budget) plus what the timed arms of its kind (plain, or trees) spent beyond their verifies
+    (before any tree round is timed, a tree's extra is the calibrated draft, `draft_ms`).
     E_q(b) is the sum of the drafter's path probabilities over the tree's first b nodes (the
     expected accepted length if the drafter were calibrated); ratio = accepted / E_q over the tree
     rounds so far (decayed). The pop order of a best-first
@@ -80,8 +81,9 @@ class BudgetChooser:
     """
 
     def __init__(self, verify_ms: dict[int, float], decay: float = 0.9, plain_ms: float | None = None,
-                 memory: AutoMemory | None = None):
+                 memory: AutoMemory | None = None, draft_ms: float = 0.0):
         self.verify_ms = verify_ms  # budget -> ms of one verify of budget + 1 nodes (calibration)
+        self.draft_ms = draft_ms  # one draft (calibration; 0 where rounds are graphed): a tree's extra until timed
         self.decay = decay
         self.plain_ms = plain_ms  # verify of the bonus alone with taps, or None: trees only
         self.mem = memory or AutoMemory()
@@ -119,7 +121,7 @@ class BudgetChooser:
         if arm in known:
             return known[arm]
         kin = [ms - self._base(a) for a, ms in known.items() if (a == 0) == (arm == 0) and (a == 0 or a in self.verify_ms)]
-        return self._base(arm) + (sum(kin) / len(kin) if kin else 0.0)
+        return self._base(arm) + (sum(kin) / len(kin) if kin else 0.0 if arm == 0 else self.draft_ms)
 
     def rates(self, eq: dict[int, float], cap: int | None = None) -> dict[int, float]:
         """Expected tokens per ms of every arm the tree at hand covers (eq: budget -> its E_q)."""

@@ -334,7 +334,7 @@ def test_pieces_enter_their_stages_and_touch_only_their_tensors(devices, drafter
     assert drafter.stage == drafter_stage
     N = len(devices)
     # the forced chooser ignores timings: skip calibrate's timing loops (its verifies are audited elsewhere)
-    monkeypatch.setattr(auto_budget, "verify_costs", lambda dec, start, greedy: {b: 1.0 for b in (0,) + AUTO_BUDGETS})
+    monkeypatch.setattr(auto_budget, "verify_costs", lambda dec, start, greedy: ({b: 1.0 for b in (0,) + AUTO_BUDGETS}, 0.0))
     audit = audited(dec)
     with audit:
         for method, budget, host in RUNS:
