@@ -287,8 +287,9 @@ class Auto(Policy):
     measurements say a tree would pay), and the round after it verifies that tree whatever the
     chooser thinks (a smaller sample would leave a smaller staged tree, and the choice after it
     only that to pick from): the acceptance ratio only learns from trees verified, so without that sample one bad start would keep auto on plain steps for good.
-    Rounds are timed by `clock` between the host's reads, except round 0 and rounds during which
-    a graph was captured (`new_keys` moved)."""
+    Rounds are timed by `clock` between the host's reads, except round 0, rounds during which a
+    graph was captured (`new_keys` moved) and rounds whose successor is of another kind (plain,
+    probe, tree): the span between two reads also holds the queueing of the next round."""
 
     chooser: BudgetChooser
     block: int
@@ -297,6 +298,7 @@ class Auto(Policy):
     staged: dict = field(default_factory=dict)  # round -> build budget of the tree its step staged
     summary: dict = field(default_factory=dict)  # round -> (E_q per budget, depth per budget) of its tree, or None
     drafted: dict = field(default_factory=dict)  # round -> did its step draft a tree
+    kinds: dict = field(default_factory=dict)  # round -> "tree", "plain" or "probe" (a plain step that drafts)
     plain_run: int = 0  # plain steps in a row
     sampled: bool = False  # the last tree round was a probe's sample
     t_last: float | None = None  # when the host read the last round (None: none yet, or it captured)
@@ -342,6 +344,8 @@ class Auto(Policy):
         drafting = not plain or self.plain_run % ch.probe_every == 0 or (not after_tree and ch.wants_tree(self.latest))
         self.drafted[r] = drafting
         self.drafted.pop(r - 2, None)
+        self.kinds[r] = "tree" if not plain else "probe" if drafting else "plain"
+        self.kinds.pop(r - 2, None)
         slot = dec.slot(b + 1)
         b_build = self.staged[r] = ch.build_for(b, r)
         self.staged.pop(r - 2, None)
@@ -357,8 +361,11 @@ class Auto(Policy):
     def read(self, r, out, T):
         ch, now, keys = self.chooser, self.clock(), self.new_keys()
         eq, depth_of = self.summary.pop(r) or ({}, {})
-        # the round's wall time: from the last read to this one, unless a graph was captured meanwhile
-        ms = None if self.t_last is None or keys != self.keys_seen else (now - self.t_last) * 1e3
+        # the round's wall time: from the last read to this one. That span holds the host queueing
+        # round r + 1 too (on a CPU, running it), so it is the round's only where round r + 1 is of
+        # its kind; and not where a graph was captured meanwhile
+        steady = self.kinds.get(r + 1) == self.kinds.get(r)
+        ms = None if self.t_last is None or keys != self.keys_seen or not steady else (now - self.t_last) * 1e3
         self.keys_seen = keys
         if T == 1:  # a plain step
             depth = 0
