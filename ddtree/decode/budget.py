@@ -52,6 +52,7 @@ class AutoMemory:
 
     def __init__(self):
         self.round_ms: dict[int, deque] = {}
+        self.eq_avg: dict[int, float] = {}  # budget -> decayed average of the staged trees' E_q
         self.cost_ms: dict[int, float] = {}  # arm -> the median of round_ms[arm]
         self.acc = self.pred = 1.0  # prior: the drafter's probabilities are honest
         self.probe_every = PLAIN_PROBE
@@ -140,15 +141,34 @@ class BudgetChooser:
     def pick_eq(self, eq: dict[int, float], cap: int | None = None) -> tuple[int, float]:
         """eq: budget -> E_q(budget) of the tree at hand (or the latest one seen); the candidates are
         the budgets it covers, up to cap (the budget of the tree that will be truncated), and 0.
+        The round's E_q chooses among the budgets; plain steps against trees is the arms' average
+        (`plain_pays`): one low E_q would buy a plain step and a probe's drafting to come back.
         -> (arm, its E_q)."""
         rate = self.rates(eq, cap)
+        rate.pop(0, None)
+        if not rate or self.plain_pays(eq):
+            return 0, 0.0
         best = max(rate, key=rate.get)
-        return best, eq.get(best, 0.0)
+        return best, eq[best]
+
+    def observe(self, eq: dict[int, float]):
+        """A staged tree's E_q per budget, as the host reads it: the decayed average behind plain_pays."""
+        avg, d = self.mem.eq_avg, self.decay
+        for b, e in eq.items():
+            avg[b] = e if b not in avg else d * avg[b] + (1 - d) * e
+
+    def plain_pays(self, eq: dict[int, float] | None = None) -> bool:
+        """Does a plain step beat the best tree on the average E_q seen (on eq before any)?"""
+        if self.plain_ms is None:
+            return False
+        avg = self.mem.eq_avg or eq or {}
+        trees = [(1 + self.ratio(b) * e) / self.cost(b) for b, e in avg.items() if b in self.verify_ms]
+        return not trees or 1.0 / self.cost(0) > max(trees)
 
     def wants_tree(self, eq: dict[int, float]) -> bool:
-        """During plain steps: would a tree pay now, on the latest E_q seen? (Then the next plain
-        step drafts: a probe before its interval is up.)"""
-        return self.plain_ms is not None and bool(eq) and self.pick_eq(eq)[0] != 0
+        """During plain steps: would trees pay now, on the measurements? (Then the next plain step
+        drafts: a probe before its interval is up.)"""
+        return self.plain_ms is not None and bool(eq) and not self.plain_pays(eq)
 
     def build_for(self, b: int, r: int) -> int:
         """The budget of the tree round r's step stages for round r + 1, given round r's own budget
@@ -322,6 +342,7 @@ class Auto(Policy):
         """Round 0's tree: its E_q and depth per budget (the host-side part of begin)."""
         self.summary = {0: (eq, depth)}
         self.latest = eq  # E_q per budget of the newest tree the host has read
+        self.chooser.observe(eq)
         self.staged, self.drafted = {-1: self.nb}, {-1: True}
         self.t_last, self.keys_seen = None, self.new_keys()  # round 0's wall holds two launches: not timed
 
@@ -384,6 +405,7 @@ class Auto(Policy):
             cover = [b for b in self.budgets if b <= self.staged.get(r, nb)]
             self.summary[r + 1] = ({b: h[b - 1] for b in cover}, {b: int(h[nb + b - 1]) for b in cover})
             self.latest = self.summary[r + 1][0]
+            ch.observe(self.latest)
         else:
             self.summary[r + 1] = None
         return depth

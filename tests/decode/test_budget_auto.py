@@ -225,6 +225,9 @@ def test_a_probe_is_answered_by_a_verified_tree_and_backs_off():
         def pick_eq(self, eq, cap=None):
             return 0, 0.0
 
+        def plain_pays(self, eq=None):  # nor a probe before its interval
+            return True
+
     dec, _ = build_random_pair("hybrid", seed=7)
     dec.chooser_class = NeverTrees
     prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -262,3 +265,18 @@ def test_verbose_logs_one_line_per_auto_round():
     for i, ((r, b, kind, n), rr) in enumerate(zip(got, rec.rounds)):
         assert int(r) == i and int(b) == rr.tree_size and (kind == "plain") == (rr.tree_size == 0)
         assert int(n) == rr.committed
+
+
+def test_one_low_eq_does_not_buy_a_plain_step():
+    """The round's E_q chooses among budgets; plain steps against trees follows the average E_q:
+    a plain step and the probe after it cost more than one poor tree round."""
+    ch = BudgetChooser({4: 10.0, 15: 12.0}, plain_ms=9.0)
+    for _ in range(10):
+        ch.observe({4: 2.0, 15: 3.0})
+        ch.update(15, 3.0, 3, wall_ms=12.0)
+        ch.update_plain(9.0)
+    low = {4: 0.05, 15: 0.1}  # this round: 1 / 9 ms for a plain step beats 1.1 / 12 ms
+    assert ch.pick_eq(low)[0] == 4 and not ch.plain_pays(low)
+    for _ in range(60):  # but where the drafter stays that poor, plain steps win
+        ch.observe(low)
+    assert ch.plain_pays() and ch.pick_eq(low) == (0, 0.0) and not ch.wants_tree(low)
