@@ -34,8 +34,6 @@ AUTO_TOPK = 32  # drafter top-k columns of auto's trees (a 64-node tree rarely n
 PLAIN_PROBE = 16  # auto: after this many plain steps in a row, one drafts again (a fresh E_q curve)
 PLAIN_PROBE_MAX = DEFERRED_ROWS  # ... and after probes that did not pay, up to this many (doubling; the
 #                                  drafter's cache has room for that many deferred context rows)
-
-
 ROUND_SAMPLES = 8  # auto: an arm's round cost is the median of its last this many timed rounds
 
 
@@ -66,13 +64,14 @@ class BudgetChooser:
         rate(b) = (1 + ratio(b) * E_q(b)) / cost(b)
 
     cost(arm) is what the arm's rounds measured on this machine (the median of its last
-    ROUND_SAMPLES timed rounds: round 0 and rounds that captured a graph are not timed); until an
+    ROUND_SAMPLES timed rounds: see Auto for which rounds are timed); until an
     arm has a timed round, its calibrated verify (`verify_ms`, `plain_ms`: one timed verify per
     budget) plus what the timed arms of its kind (plain, or trees) spent beyond their verifies
     (before any tree round is timed, a tree's extra is the calibrated draft, `draft_ms`).
     E_q(b) is the sum of the drafter's path probabilities over the tree's first b nodes (the
     expected accepted length if the drafter were calibrated); ratio = accepted / E_q over the tree
-    rounds so far (decayed). The pop order of a best-first
+    rounds so far (decayed). The round's E_q chooses among the budgets; a plain step against the
+    trees is decided on the staged trees' average E_q (plain_pays). The pop order of a best-first
     tree is the same for every budget, so the tree of budget b is the first b + 1 nodes of the largest one.
 
     After PLAIN_PROBE plain steps in a row (or sooner, once the measurements say a tree would pay)
