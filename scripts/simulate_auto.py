@@ -212,9 +212,11 @@ class SimDecoder:
     slot = stage = staticmethod(_slot)
 
 
-def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory) -> tuple[int, float, dict]:
+def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory, sync: bool = False) -> tuple[int, float, dict]:
     """(tokens, ms, {arm: rounds}) of --budget auto over one prompt's trace, the real policy driven
-    in the pipeline's order: plan(r + 1), then read(r)."""
+    in the pipeline's order: plan(r + 1), then read(r). The clock: the device's (rounds back to
+    back, each read when its round ends), or with sync a CPU's (a round runs when it is queued, so
+    the span before read(r) holds round r + 1)."""
     verify_ms = {b: costs.verify_of(b + 1) for b in AUTO_BUDGETS}
     chooser = BudgetChooser(verify_ms, plain_ms=costs.verify_of(1), memory=memory)
     policy = Auto(chooser, BLOCK, AUTO_TOPK)
@@ -228,17 +230,25 @@ def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory) -> tuple[
 
     policy.start(eq_at(0, nb), {b: 1 for b in AUTO_BUDGETS})
     dec = SimDecoder()
-    plans = {0: policy.plan(0, dec)}
+
+    def queue(r):
+        plans[r] = plan = policy.plan(r, dec)
+        if sync:
+            clock[0] += costs.auto_round(plan.slot.T, plan.build)
+
+    plans: dict = {}
+    queue(0)
     t, r, tokens, arms = 0, 0, 0, {}
     while True:
         if t < n:  # queued ahead, as the pipeline does while it fits
-            plans[r + 1] = policy.plan(r + 1, dec)
+            queue(r + 1)
         plan = plans.pop(r)
         T = plan.slot.T
         got = 0 if T == 1 else trace[f"acc:a{T - 1}"][t]
         tokens += min(got + 1, n - t)
         t += got + 1
-        clock[0] += costs.auto_round(T, plan.build)
+        if not sync:
+            clock[0] += costs.auto_round(T, plan.build)
         extra = [0.0] * (2 * nb)
         if plan.build is not None:  # its step staged a tree at the next position: E_q per covered budget
             for b, e in eq_at(t, plan.build).items():
@@ -248,12 +258,15 @@ def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory) -> tuple[
         policy.read(r, RoundOut(n=got + 1, bonus=0, tokens=[], ranks=[], extra=extra), T)
         arms[T - 1] = arms.get(T - 1, 0) + 1
         if t >= n:
+            if sync and r + 1 in plans:  # the round queued past the end ran too: not the generation's
+                clock[0] -= costs.auto_round(plans[r + 1].slot.T, plans[r + 1].build)
             return tokens, clock[0], arms
         r += 1
 
 
-def simulate(traces: list[dict], costs: Costs, n: int | None = None) -> dict:
-    """tok/ms per fixed method and auto over a drafter's prompt traces (auto: one shared memory)."""
+def simulate(traces: list[dict], costs: Costs, n: int | None = None, sync: bool = False) -> dict:
+    """tok/ms per fixed method and auto over a drafter's prompt traces (auto: one shared memory;
+    sync: a CPU's clock, replay_auto)."""
     out = {}
     sizes = [n or len(tr["acc:chain"]) for tr in traces]
     for name in FIXED:
@@ -261,7 +274,7 @@ def simulate(traces: list[dict], costs: Costs, n: int | None = None) -> dict:
         out[name] = sum(x for x, _ in runs) / sum(y for _, y in runs)
     memory, tok, ms, arms = AutoMemory(), 0, 0.0, {}
     for tr, m in zip(traces, sizes):
-        a, b, c = replay_auto(tr, costs, m, memory)
+        a, b, c = replay_auto(tr, costs, m, memory, sync)
         tok, ms = tok + a, ms + b
         for k, v in c.items():
             arms[k] = arms.get(k, 0) + v
