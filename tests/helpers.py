@@ -259,6 +259,9 @@ def forced_chooser(cycle: list[int] = AUTO_CYCLE, probe_every: int | None = None
             if probe_every is None:
                 super().probe_answered(b)
 
+        def wants_tree(self, eq):  # plain runs end only where the cycle or the probe interval says
+            return False
+
     return Forced
 
 

@@ -27,7 +27,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, Auto, BudgetChooser, Chain, PlainSteps
+from ddtree.decode import auto as auto_budget
+from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, BudgetChooser
 from ddtree.decode.buffers import Slot, Statics
 from ddtree.decode.clock import StageClock, sync
 from ddtree.decode.graphs import GraphRunner, VerifyKey, bucket
@@ -39,7 +40,7 @@ from ddtree.errors import DDTreeError
 from ddtree.model.drafter import DFlashDrafter
 from ddtree.model.target import TargetModel
 from ddtree.ops.dispatch import Kernels, resolve
-from ddtree.ops.tree import Tree, build_tree_device, device_tree_fits
+from ddtree.ops.tree import Tree, build_tree_device
 from ddtree.ops.tree_kernel import build_tree_kernel, tree_summary
 from ddtree.ops.walk import walk, walk_kernel
 from ddtree.options import Options
@@ -116,7 +117,7 @@ class Decoder:
         self.statics = Statics(dev)
         self._slots: dict[int, Slot] = {}
         self._stages: dict[int, Slot] = {}
-        self._verify_cost: dict = {}  # auto: (context bucket, greedy, near the end) -> {budget: verify ms}
+        self._verify_cost: dict = {}  # auto: (context bucket, greedy) -> ({budget: verify ms}, AutoMemory)
         self.deferred = None  # auto's deferred drafter context (ddtree.decode.round.DeferredContext), made on first use
         self._compile_noticed = False
         self.startup = StartupClock()  # compile, capture and prefill seconds (ddtree.decode.startup)
@@ -308,43 +309,6 @@ class Decoder:
                         "DDTREE_NO_COMPILE=1 skips it)")
         self._compile_noticed = True
 
-    # ------------------------------------------------------------------ --budget auto's calibration
-    def calibrate(self, start: int, greedy: bool, plain: bool = False) -> BudgetChooser:
-        """Time one verify per candidate budget on the live state (a verify commits nothing); once
-        per context bucket and decoder (the cost does not depend on the tokens)."""
-        dev = self.device
-        key = (self.kv_len(start + max(AUTO_BUDGETS) + 1), greedy,
-               start + max(AUTO_BUDGETS) + 1 + self.block_size > self.max_len)
-        if key not in self._verify_cost:
-            verify_ms = {}
-            for b in (0,) + AUTO_BUDGETS:  # 0: the bonus alone (a plain step)
-                T = b + 1
-                if start + T + self.block_size > self.max_len:
-                    continue
-                slot = self.slot(T)
-                slot.load(Tree.chain(torch.zeros(T, dtype=torch.long)))
-                vkey = VerifyKey(T, self.kv_len(start + T), greedy, True)
-                fn = lambda: self.graphs.run(vkey, lambda: self._verify(slot, vkey))  # noqa: E731
-                fn()  # (captured on first use)
-                times = []
-                for _ in range(3):
-                    sync(dev)
-                    t0 = time.perf_counter()
-                    fn()
-                    sync(dev)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                verify_ms[b] = sorted(times)[1]
-            if key[2]:  # near max_len some budgets were left out: not cached
-                cost = dict(verify_ms)
-                plain_ms = cost.pop(0, None)
-                return self.chooser_class(cost, plain_ms=plain_ms if plain else None)
-            self._verify_cost[key] = verify_ms
-        cost = dict(self._verify_cost[key])
-        plain_ms = cost.pop(0, None)
-        _log().debug(f"--budget auto: verify ms per budget {', '.join(f'{b}: {ms:.2f}' for b, ms in cost.items())}; "
-                     f"plain step {plain_ms if plain_ms is None else f'{plain_ms:.2f}'}")
-        return self.chooser_class(cost, plain_ms=plain_ms if plain else None)
-
     # ------------------------------------------------------------------ generate = prefill + decode
     @torch.no_grad()
     def generate(
@@ -452,13 +416,13 @@ class Decoder:
         self.start_d.fill_(start)
         self.use_compile()  # (a short prefill ran the drafter eagerly)
         pipeline = not self.options.host_rounds and not (job.top1_first and method == "ddtree")
-        chooser = self.calibrate(start, sampling.greedy, plain=pipeline) if job.auto and method == "ddtree" else None
+        chooser = auto_budget.calibrate(self, start, sampling.greedy, plain=pipeline) if job.auto and method == "ddtree" else None
         clock = StageClock(dev)
         rounds: list[RoundRecord] = []
         pending: list[list] = []
         t_dec = time.perf_counter()
         if pre.bonus not in stop_ids and len(out) < job.max_new_tokens:
-            policy = self._policy(method, job.budget, job.k, chooser) if pipeline else None
+            policy = auto_budget.policy_for(self, method, job.budget, job.k, chooser) if pipeline else None
             if policy is not None:
                 tree = host_tree(method, pre.bonus, pre.draft, job.budget, False)
                 if chooser is not None:
@@ -479,21 +443,6 @@ class Decoder:
             prefill_s=pre.ttft_s, decode_s=decode_s, ttft_s=pre.ttft_s, method=method,
             budget=(job.budget if not job.auto else None) if method == "ddtree" else None, rounds=rounds,
         )
-
-    def _policy(self, method: str, budget: int, k: int, chooser: BudgetChooser | None):
-        """The pipeline's budget policy, or None where a round needs the host-tree loop (a fixed
-        budget the device builder cannot fill: fewer rank prefixes than draft nodes)."""
-        if method == "ar":
-            return PlainSteps()
-        if method == "dflash":
-            return Chain(self.block_size)
-        if chooser is not None:
-            if not chooser.verify_ms or not device_tree_fits(self.block_size - 1, k, max(chooser.verify_ms)):
-                return None
-            return Auto(chooser, self.block_size, k)
-        if not device_tree_fits(self.block_size - 1, k, budget):
-            return None
-        return Chain(self.block_size, budget, k)
 
 
 def _drafter_stage(target: TargetModel, drafter: DFlashDrafter) -> int:

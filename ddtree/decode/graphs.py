@@ -292,6 +292,7 @@ class GraphRunner:
         self._steps: dict = {}  # verify key -> {stage: GDNGroup.step of that verify}
         self._seen: set = set()  # eager pieces already run once (a compile failure falls back there)
         self._streams: list | None = None  # a split's stage streams (made on its first capture)
+        self.new_keys = 0  # pieces captured or compiled so far (--budget auto does not time their rounds)
 
     def run(self, key, fn: Callable, keep=()):
         """fn()'s result, eagerly or by replaying key's graph; `keep`: inputs the piece rewrites."""
@@ -334,6 +335,7 @@ class GraphRunner:
             # first run with compiled layers in eager rounds (a layer split): a compile failure
             # restores the state and runs it with the eager layers, as under graphs
             snap = self.snapshot(keep)
+            self.new_keys += 1
             try:
                 out = fn()
             except Exception as e:
@@ -342,6 +344,8 @@ class GraphRunner:
                 out = fn()
             self._seen.add(key)
             return out
+        if key not in self._graphs:
+            self.new_keys += 1
         if key not in self._graphs and self.split:
             self.log(f"capturing {key} in segments")
             self._capture_segments(key, fn, keep)

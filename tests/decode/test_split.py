@@ -18,6 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ddtree.decode import auto as auto_budget
 from ddtree.decode.budget import AUTO_BUDGETS
 from ddtree.decode.decoder import Decoder
 from ddtree.decode.graphs import HostCommitKey, HostDraftKey, PrefixKey, StepKey, VerifyKey
@@ -323,7 +324,7 @@ def expected_stages(key, N: int, D: int) -> list[int]:
 
 @pytest.mark.parametrize("devices,drafter_stage", [(["cpu", "cpu"], 1), (["cpu", "cpu", "cpu"], 0)],
                          ids=["2 stages", "3 stages, drafter on 0"])
-def test_pieces_enter_their_stages_and_touch_only_their_tensors(devices, drafter_stage, one_stage):
+def test_pieces_enter_their_stages_and_touch_only_their_tensors(devices, drafter_stage, one_stage, monkeypatch):
     """Every piece of every method (pipeline and host-tree loop) under the stage audit: no op before
     its first boundary, none on another stage's tensors, no write to a handed-over tensor; the
     stages in the designed order; and with hand-overs as copies the tokens still equal one stage's."""
@@ -333,8 +334,7 @@ def test_pieces_enter_their_stages_and_touch_only_their_tensors(devices, drafter
     assert drafter.stage == drafter_stage
     N = len(devices)
     # the forced chooser ignores timings: skip calibrate's timing loops (its verifies are audited elsewhere)
-    dec.calibrate = lambda start, greedy, plain=False: dec.chooser_class({b: 1.0 for b in AUTO_BUDGETS},
-                                                                         plain_ms=1.0 if plain else None)
+    monkeypatch.setattr(auto_budget, "verify_costs", lambda dec, start, greedy: ({b: 1.0 for b in (0,) + AUTO_BUDGETS}, 0.0))
     audit = audited(dec)
     with audit:
         for method, budget, host in RUNS:

@@ -1,0 +1,93 @@
+"""--budget auto on a decoder: the calibration and the policy a generation runs under.
+
+`calibrate` times one verify per candidate budget (once per context bucket and decoder) and hands
+the generation a chooser (ddtree.decode.budget.BudgetChooser) that shares the decoder's
+`AutoMemory` for that bucket: the whole-round costs and acceptance that earlier generations
+measured. `policy_for` is the pipeline's budget policy for a method.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from loguru import logger
+
+from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, Auto, AutoMemory, BudgetChooser, Chain, PlainSteps
+from ddtree.decode.clock import sync
+from ddtree.decode.graphs import VerifyKey
+from ddtree.decode.sampling import SamplingParams
+from ddtree.ops.tree import Tree, device_tree_fits
+
+
+def timed_ms(dec, fn) -> float:
+    """The median of three timed runs of fn (after one untimed: a capture or compile)."""
+    fn()
+    times = []
+    for _ in range(3):
+        sync(dec.device)
+        t0 = time.perf_counter()
+        fn()
+        sync(dec.device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def verify_costs(dec, start: int, greedy: bool) -> tuple[dict[int, float], float]:
+    """-> (ms of one verify of b + 1 nodes for b in (0,) + AUTO_BUDGETS (0: the bonus alone) that
+    fit before max_len, ms of one draft), on the live state (a verify commits nothing; a draft
+    writes its block past the drafter's context). The draft is timed only where rounds are not
+    graphed: eagerly on a GPU it would cost launches a graphed round does not pay (0 there)."""
+    verify_ms = {}
+    for b in (0,) + AUTO_BUDGETS:
+        T = b + 1
+        if start + T + dec.block_size > dec.max_len:
+            continue
+        slot = dec.slot(T)
+        slot.load(Tree.chain(torch.zeros(T, dtype=torch.long)))
+        vkey = VerifyKey(T, dec.kv_len(start + T), greedy, True)
+        verify_ms[b] = timed_ms(dec, lambda: dec.graphs.run(vkey, lambda: dec._verify(slot, vkey)))
+    draft_ms = 0.0
+    if not dec.use_graphs and start + 2 * dec.block_size <= dec.max_len:
+        bonus = torch.zeros((), dtype=torch.long, device=dec.device)
+        kv = dec.kv_len(start + dec.block_size)
+        k = min(AUTO_TOPK, dec.target.cfg.vocab_size)
+        draft_ms = timed_ms(dec, lambda: dec.draft_topk(bonus, kv, k, SamplingParams()))
+    return verify_ms, draft_ms
+
+
+def calibrate(dec, start: int, greedy: bool, plain: bool = False) -> BudgetChooser:
+    """The chooser of a generation starting at committed length `start` (plain: plain steps are a
+    candidate, as in the device pipeline). Verify costs and the AutoMemory are kept per context
+    bucket on the decoder (dec._verify_cost); near max_len, where some budgets do not fit, neither
+    is kept."""
+    big = start + max(AUTO_BUDGETS) + 1
+    key = (dec.kv_len(big), greedy, big + dec.block_size > dec.max_len)
+    if key in dec._verify_cost:
+        verify_ms, draft_ms, memory = dec._verify_cost[key]
+    else:
+        (verify_ms, draft_ms), memory = verify_costs(dec, start, greedy), AutoMemory()
+        if not key[2]:
+            dec._verify_cost[key] = verify_ms, draft_ms, memory
+    cost = dict(verify_ms)
+    plain_ms = cost.pop(0, None)
+    logger.debug(f"--budget auto: verify ms per budget {', '.join(f'{b}: {ms:.2f}' for b, ms in cost.items())}; "
+                 f"plain step {plain_ms if plain_ms is None else f'{plain_ms:.2f}'}; draft {draft_ms:.2f}; round ms "
+                 f"measured {({b: round(ms, 2) for b, ms in sorted(memory.cost_ms.items())})}")
+    return dec.chooser_class(cost, plain_ms=plain_ms if plain else None, memory=memory, draft_ms=draft_ms)
+
+
+def policy_for(dec, method: str, budget: int, k: int, chooser: BudgetChooser | None):
+    """The pipeline's budget policy, or None where a round needs the host-tree loop (a fixed
+    budget the device builder cannot fill: fewer rank prefixes than draft nodes)."""
+    if method == "ar":
+        return PlainSteps()
+    if method == "dflash":
+        return Chain(dec.block_size)
+    if chooser is not None:
+        if not chooser.verify_ms or not device_tree_fits(dec.block_size - 1, k, max(chooser.verify_ms)):
+            return None
+        return Auto(chooser, dec.block_size, k)
+    if not device_tree_fits(dec.block_size - 1, k, budget):
+        return None
+    return Chain(dec.block_size, budget, k)

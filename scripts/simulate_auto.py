@@ -1,0 +1,333 @@
+#!/usr/bin/env python
+"""--budget auto against every fixed method, replayed from acceptance traces at measured round costs.
+
+    python scripts/simulate_auto.py --record        # traces of the codepair drafters (CPU float32), then replay
+    python scripts/simulate_auto.py                 # replay results/auto-traces-cpu.json.gz
+
+Traces: a greedy round that starts at position t of the target's greedy continuation g (root g[t])
+drafts the same block whatever came before it: the drafter's context is the target's tap rows of
+the committed tokens, the prompt and g[:t] for every method. So one drafter forward per position
+says what every arm would accept there. For each position t a trace holds:
+
+    acc:<arm>  draft tokens the arm's tree accepts against g[t+1:] (chain: the block's top-1 chain;
+               t<b>: the best-first tree of b draft nodes with b columns, as `--budget b` builds it;
+               a<b>: auto's tree of b nodes, AUTO_TOPK columns)
+    eq:<b>     E_q(b) of auto's tree (its first b path probabilities summed), b in AUTO_BUDGETS
+
+(float32 on the CPU; eos does not stop a continuation). Replay: each fixed method walks a trace
+with its own acceptance at its round cost; auto runs the real policy (ddtree.decode.budget.Auto
+and BudgetChooser) in the device pipeline's call order (round r + 1 planned before round r's
+packet is read), its packets made from the trace, its clock the simulated device time (rounds
+back to back: the 27B rounds are device-bound). Costs: results/engine-long-h200.json per context
+(AR step, verify of T nodes interpolated linearly in T, dflash and ddtree 16 / 32 / 64 rounds;
+a round's cost beyond its verify is the drafting round's, a plain step's is the AR step's).
+Prompts of one drafter share one AutoMemory, as the generations of one decoder do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, Auto, AutoMemory, BudgetChooser  # noqa: E402
+from ddtree.decode.buffers import RoundOut  # noqa: E402
+from ddtree.ops.tree import build_tree  # noqa: E402
+
+FIXTURE = ROOT.parent / "shared" / "fixtures" / "codepair"
+TRACES = ROOT / "results" / "auto-traces-cpu.json.gz"
+ENGINE = ROOT / "results" / "engine-long-h200.json"
+DRAFTERS = ("drafter", "drafter-distilled", "drafter-large")
+BLOCK = 16
+
+FIXED_BUDGETS = (8, 16, 32, 64)
+FIXED = ("ar", "dflash") + tuple(f"ddtree-{b}" for b in FIXED_BUDGETS)
+
+
+def accepted(tree, cont: list[int]) -> int:
+    """Draft tokens the walk accepts when the target's tokens after the root are cont."""
+    children: dict[int, dict[int, int]] = {}
+    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+    for i in range(1, len(toks)):
+        children.setdefault(parents[i], {})[toks[i]] = i
+    node, n = 0, 0
+    for t in cont:
+        node = children.get(node, {}).get(t)
+        if node is None:
+            return n
+        n += 1
+    return n
+
+
+def position_trace(root: int, lp: np.ndarray, ids: np.ndarray, cont: list[int]) -> dict:
+    """One position's outcomes: lp, ids [D, K] (K >= 64) sorted descending; cont: g[t+1 : t+1+D]."""
+    chain = 0
+    for d in range(len(cont)):
+        if ids[d, 0] != cont[d]:
+            break
+        chain += 1
+    acc = {"chain": chain}
+    for b in FIXED_BUDGETS:
+        acc[f"t{b}"] = accepted(build_tree(root, lp[:, :b], ids[:, :b], b), cont)
+    auto = build_tree(root, lp[:, :AUTO_TOPK], ids[:, :AUTO_TOPK], max(AUTO_BUDGETS))
+    probs = [math.exp(s) for s in auto.scores[1:]]
+    for b in AUTO_BUDGETS:
+        acc[f"a{b}"] = accepted(auto.truncate(b + 1), cont)
+    eq = {str(b): round(sum(probs[:b]), 4) for b in AUTO_BUDGETS}
+    return {"acc": acc, "eq": eq}
+
+
+@torch.no_grad()
+def record(fixture: Path, drafters: list[str], limit: int, tokens: int, log=print) -> dict:
+    """{drafter: [{prompt, positions: {field: [per position]}}]} for the first `limit` prompts."""
+    from transformers import AutoTokenizer
+
+    from ddtree.decode.decoder import Decoder
+    from ddtree.model.checkpoint import load_drafter, load_target
+
+    prompts = [json.loads(x) for x in (fixture / "prompts.jsonl").read_text().splitlines() if x.strip()][:limit]
+    tok = AutoTokenizer.from_pretrained(str(fixture / "target"))
+    encoded = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
+    D = 16  # the drafters' block less its root (checked below)
+    max_len = -(-(max(map(len, encoded)) + tokens + 2 * D + 8) // 256) * 256
+    target, _ = load_target(str(fixture / "target"), [torch.device("cpu")], torch.float32, max_len)
+    out: dict = {}
+    conts: dict[str, list[int]] = {}
+    for name in drafters:
+        drafter, _ = load_drafter(str(fixture / name), target, torch.float32, max_len)
+        dec = Decoder(target, drafter)
+        assert drafter.cfg.block_size == D, drafter.cfg.block_size
+        runs = []
+        for p, ids in zip(prompts, encoded):
+            t0 = time.perf_counter()
+            if p["id"] not in conts:  # the target's greedy continuation, D past the traced length
+                conts[p["id"]] = dec.generate(ids, "ar", max_new_tokens=tokens + D).token_ids
+            g = conts[p["id"]]
+            L = len(ids)
+            target.reset()
+            _, taps = target.prefill(torch.tensor(ids + g[: tokens - 1]), want_taps=True)  # [L + tokens - 1, W]
+            drafter.reset()
+            drafter.add_context(taps[:L])
+            fields: dict[str, list] = {}
+            for t in range(tokens):  # the round whose root is g[t]: the context holds prompt + g[:t]
+                lp, top = drafter.draft_topk(torch.tensor(g[t]), dec.kv_len(L + t + D), 64)
+                rec = position_trace(g[t], lp.numpy(), top.numpy(), g[t + 1 : t + D])
+                for group in ("acc", "eq"):
+                    for k, v in rec[group].items():
+                        fields.setdefault(f"{group}:{k}", []).append(v)
+                if t + 1 < tokens:
+                    drafter.add_context(taps[L + t : L + t + 1])
+            runs.append({"prompt": p["id"], "positions": fields})
+            log(f"{name} {p['id']}: {tokens} positions in {time.perf_counter() - t0:.1f}s; mean accepted "
+                + ", ".join(f"{k[4:]} {np.mean(v):.2f}" for k, v in fields.items() if k.startswith("acc:")))
+        out[name] = runs
+    return out
+
+
+# ------------------------------------------------------------------------------------ replay
+@dataclass
+class Costs:
+    """Round costs in ms at one context: ar (an AR step), verify (T -> ms, measured sizes), rounds
+    (dflash / ddtree-b -> a whole round), beyond (build budget -> a drafting round beyond its verify)."""
+
+    ar: float
+    verify: dict
+    rounds: dict
+    beyond: dict
+
+    def verify_of(self, T: int) -> float:
+        ts = sorted(self.verify)
+        lo = max([t for t in ts if t <= T], default=ts[0])
+        hi = min([t for t in ts if t >= T], default=ts[-1])
+        if lo == hi:
+            return self.verify[lo]
+        return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (T - lo) / (hi - lo)
+
+    def beyond_of(self, b: int) -> float:
+        """A drafting round's cost past its verify when its step builds a tree of b draft nodes."""
+        return self.beyond[min([x for x in self.beyond if x >= b], default=max(self.beyond))]
+
+    def fixed_round(self, name: str) -> float:
+        if name == "ar":
+            return self.ar
+        if name in self.rounds:
+            return self.rounds[name]
+        b = int(name.split("-")[1])  # ddtree-8: its verify and the smallest measured tree's rest
+        return self.verify_of(b + 1) + self.beyond_of(b)
+
+    def auto_round(self, T: int, build) -> float:
+        """A round of auto that verifies T nodes; its step builds `build` (None: a plain step's)."""
+        return self.verify_of(T) + (self.ar - self.verify_of(1) if build is None else self.beyond_of(build))
+
+
+def engine_costs(path: Path = ENGINE) -> dict[int, Costs]:
+    """Costs per context from a bench_engine.py document (main.contexts.<L>)."""
+    doc = json.loads(path.read_text())
+    out = {}
+    for L, c in doc["main"]["contexts"].items():
+        verify = {int(t): ms for t, ms in c["verify_ms"].items()}
+        rounds, beyond = {}, {}
+        for key, rd in c["rounds"].items():
+            method, b = key.split(":")
+            name = "dflash" if method == "dflash" else f"ddtree-{b}"
+            rounds[name] = rd["round_ms"]
+            if method == "ddtree":
+                beyond[int(b)] = rd["round_ms"] - rd["verify_ms"]
+        out[int(L)] = Costs(c["ar_ms"], verify, rounds, beyond)
+    return out
+
+
+def replay_fixed(trace: dict, name: str, costs: Costs, n: int) -> tuple[int, float]:
+    """(tokens, ms) of a fixed method over the first n positions of one prompt's trace."""
+    field = None if name == "ar" else "acc:chain" if name == "dflash" else f"acc:t{name.split('-')[1]}"
+    t = tokens = 0
+    ms = 0.0
+    while t < n:
+        got = 0 if field is None else trace[field][t]
+        tokens += min(got + 1, n - t)
+        t += got + 1
+        ms += costs.fixed_round(name)
+    return tokens, ms
+
+
+def _slot(T: int):
+    return SimpleNamespace(T=T, ints=None, mask=None, ranks=None)
+
+
+class SimDecoder:
+    """What Auto.plan asks of a decoder: slots and staging slots by size."""
+
+    slot = stage = staticmethod(_slot)
+
+
+def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory, sync: bool = False) -> tuple[int, float, dict]:
+    """(tokens, ms, {arm: rounds}) of --budget auto over one prompt's trace, the real policy driven
+    in the pipeline's order: plan(r + 1), then read(r). The clock: the device's (rounds back to
+    back, each read when its round ends), or with sync a CPU's (a round runs when it is queued, so
+    the span before read(r) holds round r + 1)."""
+    verify_ms = {b: costs.verify_of(b + 1) for b in AUTO_BUDGETS}
+    chooser = BudgetChooser(verify_ms, plain_ms=costs.verify_of(1), memory=memory)
+    policy = Auto(chooser, BLOCK, AUTO_TOPK)
+    clock = [0.0]
+    policy.clock = lambda: clock[0] / 1e3
+    nb = policy.nb
+
+    def eq_at(t, cover):
+        t = min(t, n - 1)
+        return {b: trace[f"eq:{b}"][t] for b in AUTO_BUDGETS if b <= cover}
+
+    policy.start(eq_at(0, nb), {b: 1 for b in AUTO_BUDGETS})
+    dec = SimDecoder()
+
+    def queue(r):
+        plans[r] = plan = policy.plan(r, dec)
+        if sync:
+            clock[0] += costs.auto_round(plan.slot.T, plan.build)
+
+    plans: dict = {}
+    queue(0)
+    t, r, tokens, arms = 0, 0, 0, {}
+    while True:
+        if t < n:  # queued ahead, as the pipeline does while it fits
+            queue(r + 1)
+        plan = plans.pop(r)
+        T = plan.slot.T
+        got = 0 if T == 1 else trace[f"acc:a{T - 1}"][t]
+        tokens += min(got + 1, n - t)
+        t += got + 1
+        if not sync:
+            clock[0] += costs.auto_round(T, plan.build)
+        extra = [0.0] * (2 * nb)
+        if plan.build is not None:  # its step staged a tree at the next position: E_q per covered budget
+            for b, e in eq_at(t, plan.build).items():
+                extra[b - 1] = e
+                extra[nb + b - 1] = 1.0
+            extra[nb] = 1.0
+        policy.read(r, RoundOut(n=got + 1, bonus=0, tokens=[], ranks=[], extra=extra), T)
+        arms[T - 1] = arms.get(T - 1, 0) + 1
+        if t >= n:
+            if sync and r + 1 in plans:  # the round queued past the end ran too: not the generation's
+                clock[0] -= costs.auto_round(plans[r + 1].slot.T, plans[r + 1].build)
+            return tokens, clock[0], arms
+        r += 1
+
+
+def simulate(traces: list[dict], costs: Costs, n: int | None = None, sync: bool = False) -> dict:
+    """tok/ms per fixed method and auto over a drafter's prompt traces (auto: one shared memory;
+    sync: a CPU's clock, replay_auto)."""
+    out = {}
+    sizes = [n or len(tr["acc:chain"]) for tr in traces]
+    for name in FIXED:
+        runs = [replay_fixed(tr, name, costs, m) for tr, m in zip(traces, sizes)]
+        out[name] = sum(x for x, _ in runs) / sum(y for _, y in runs)
+    memory, tok, ms, arms = AutoMemory(), 0, 0.0, {}
+    for tr, m in zip(traces, sizes):
+        a, b, c = replay_auto(tr, costs, m, memory, sync)
+        tok, ms = tok + a, ms + b
+        for k, v in c.items():
+            arms[k] = arms.get(k, 0) + v
+    out["auto"] = tok / ms
+    best = max(FIXED, key=out.get)
+    return {"tok_per_ms": out, "best_fixed": best, "auto_vs_best": out["auto"] / out[best],
+            "auto_arms": {str(k): v for k, v in sorted(arms.items())}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--record", action="store_true", help="record the traces first (CPU float32, a few minutes)")
+    ap.add_argument("--fixture", type=Path, default=FIXTURE)
+    ap.add_argument("--limit", type=int, default=16, help="prompts to trace")
+    ap.add_argument("--tokens", type=int, default=192, help="positions per prompt")
+    ap.add_argument("--traces", type=Path, default=TRACES)
+    ap.add_argument("--costs", type=Path, default=ENGINE)
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "auto-sim.json")
+    args = ap.parse_args(argv)
+    from loguru import logger
+
+    logger.remove()  # auto's per-round debug lines
+    logger.add(sys.stderr, level="INFO")
+    if args.record:
+        import torch
+
+        torch.set_num_threads(1)
+        runs = record(args.fixture, list(DRAFTERS), args.limit, args.tokens, log=lambda m: print(m, file=sys.stderr))
+        doc = {"what": "per-position acceptance traces (scripts/simulate_auto.py)", "device": "cpu",
+               "dtype": "float32", "torch": torch.__version__, "prompts": args.limit, "tokens": args.tokens,
+               "drafters": runs}
+        with gzip.open(args.traces, "wt") as f:
+            f.write(json.dumps(doc, separators=(",", ":")))
+    traces = json.loads(gzip.open(args.traces, "rt").read())
+    costs = engine_costs(args.costs)
+    result = {"traces": str(args.traces.relative_to(ROOT)) if args.traces.is_relative_to(ROOT) else str(args.traces),
+              "costs": str(args.costs.relative_to(ROOT)) if args.costs.is_relative_to(ROOT) else str(args.costs),
+              "rows": []}
+    head = ["drafter", "context"] + list(FIXED) + ["auto", "best fixed", "auto / best", "auto's arms (0: plain)"]
+    print("  ".join(head))
+    for name, runs in traces["drafters"].items():
+        for L, c in sorted(costs.items()):
+            row = simulate([x["positions"] for x in runs], c)
+            row.update(drafter=name, context=L)
+            result["rows"].append(row)
+            tpm = row["tok_per_ms"]
+            print("  ".join([name, str(L)] + [f"{tpm[k]:.4f}" for k in list(FIXED) + ["auto"]]
+                            + [row["best_fixed"], f"{row['auto_vs_best']:.3f}",
+                               ", ".join(f"{k}: {v}" for k, v in row["auto_arms"].items())]))
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
