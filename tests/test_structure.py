@@ -1,5 +1,5 @@
 """Structure rules the code review holds the package to, checked so that they stay true: short
-entry points, no upward import from the model layer into the decoder, no import circle between
+entry points and Decoder class, no upward import from the model layer into the decoder, no import circle between
 the GDN chain's twin and fla, and results/ holding exactly what the docs cite, indexed."""
 
 from __future__ import annotations
@@ -24,6 +24,13 @@ def _function_lines(path: str, name: str) -> int:
                                        ("ddtree/app/bench.py", "run_bench")])
 def test_entry_points_are_short(path, name):
     assert _function_lines(path, name) <= 90, f"{path}:{name} is over 90 lines: extract helpers"
+
+
+def test_decoder_class_is_short():
+    tree = ast.parse((REPO / "ddtree/decode/decoder.py").read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Decoder")
+    n = node.end_lineno - node.lineno + 1
+    assert n <= 350, f"the Decoder class is {n} lines (at most 350): move a concept to its own module"
 
 
 def _imports(path: Path) -> set[str]:

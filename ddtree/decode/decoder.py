@@ -31,7 +31,7 @@ from ddtree.decode import auto as auto_budget
 from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, BudgetChooser
 from ddtree.decode.buffers import Slot, Statics
 from ddtree.decode.clock import StageClock, sync
-from ddtree.decode.graphs import GraphRunner, VerifyKey, bucket
+from ddtree.decode.graphs import GraphRunner, VerifyKey, bucket, mutable_state
 from ddtree.decode.reference import Draft, host_tree, run_host_rounds
 from ddtree.decode.round import AHEAD_MARGIN, Pipeline
 from ddtree.decode.sampling import SamplingParams, choose
@@ -121,7 +121,7 @@ class Decoder:
         self.deferred = None  # auto's deferred drafter context (ddtree.decode.round.DeferredContext), made on first use
         self._compile_noticed = False
         self.startup = StartupClock()  # compile, capture and prefill seconds (ddtree.decode.startup)
-        self.graphs = GraphRunner(target, self.use_graphs, self._mutable, self._compile_failed,
+        self.graphs = GraphRunner(target, self.use_graphs, lambda: mutable_state(self), self._compile_failed,
                                   log=lambda m: _log().debug(m), clock=self.startup)
         if drafter is not None:
             target.tap_layers = list(drafter.cfg.target_layer_ids)
@@ -269,24 +269,6 @@ class Decoder:
         return d.view(1), summary
 
     # ------------------------------------------------------------------ capture support
-    def _mutable(self) -> list[torch.Tensor]:
-        """Everything a piece mutates: start_d, GDN states, the drafter's length, the K/V slots a
-        tree or commit can touch (the commit move is not idempotent: run twice, it reads slots its
-        first run overwrote). Called at capture time only."""
-        tgt = self.target
-        tensors = [self.start_d]
-        for group in tgt.gdn_groups.values():
-            tensors += [group.state, group.conv]
-        start = int(self.start_d)
-        end = min(start + tgt.tree_capacity, tgt.max_len)
-        for kc, vc in tgt.kv_stacks.values():
-            tensors += [kc[:, start:end], vc[:, start:end]]
-        if self.drafter is not None:
-            tensors.append(self.drafter.ctx_len)
-        if self.deferred is not None:
-            tensors += [self.deferred.rows, self.deferred.count]
-        return tensors
-
     def _compile_failed(self, e: Exception):
         _log().warning(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
                        "using the eager layers (set DDTREE_NO_COMPILE=1 to skip compiling)")

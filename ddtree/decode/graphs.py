@@ -273,6 +273,25 @@ class _SegmentCapture(_Hook):
             raise RuntimeError("a piece of a split target entered no stage: it must call target.enter before its kernels")
 
 
+def mutable_state(dec) -> list[torch.Tensor]:
+    """Everything a decoder's piece mutates: start_d, GDN states, the drafter's length, the K/V
+    slots a tree or commit can touch (the commit move is not idempotent: run twice, it reads slots
+    its first run overwrote), --budget auto's deferred context. Called at capture time only."""
+    tgt = dec.target
+    tensors = [dec.start_d]
+    for group in tgt.gdn_groups.values():
+        tensors += [group.state, group.conv]
+    start = int(dec.start_d)
+    end = min(start + tgt.tree_capacity, tgt.max_len)
+    for kc, vc in tgt.kv_stacks.values():
+        tensors += [kc[:, start:end], vc[:, start:end]]
+    if dec.drafter is not None:
+        tensors.append(dec.drafter.ctx_len)
+    if dec.deferred is not None:
+        tensors += [dec.deferred.rows, dec.deferred.count]
+    return tensors
+
+
 class GraphRunner:
     """Runs pieces eagerly or through CUDA graphs captured on first use of their key.
 

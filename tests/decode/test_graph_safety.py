@@ -1,7 +1,7 @@
 """What CUDA-graph capture needs from a round, checked on CPU.
 
 Capturing a graph first runs its function once eagerly (warm-up), restores the state from
-`GraphRunner.snapshot` (over `Decoder._mutable`), and then replays the graph: every piece of a round must therefore give the
+`GraphRunner.snapshot` (over `ddtree.decode.graphs.mutable_state`), and then replays the graph: every piece of a round must therefore give the
 same result when run twice around a snapshot/restore. The K/V commit is not idempotent by
 itself (it reads slots its own first run overwrote), so the snapshot must cover them.
 """
