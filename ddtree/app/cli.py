@@ -263,8 +263,14 @@ class _Streamer:
 
     def _emit(self, text: str) -> None:
         if len(text) > len(self.printed):
-            self._write(text[len(self.printed):])
-            self.printed = text
+            # No Python call between the write and the bookkeeping: a Ctrl-C lands before the write
+            # (finish() prints it) or after the bookkeeping, never between them (it would print twice).
+            out = self.out or sys.stdout
+            try:
+                out.write(text[len(self.printed):])
+                out.flush()
+            finally:
+                self.printed = text
 
     def text(self) -> str:
         return self.tok.decode(self.ids, skip_special_tokens=True)
