@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,20 +38,12 @@ from ddtree.model.presets import PRESETS  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config, tiny_hybrid_config  # noqa: E402
 from ddtree.options import Options  # noqa: E402
 
+from bench_engine import git_commit  # noqa: E402  (scripts/ is on the path when a script runs)
+
 
 def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (n,), generator=g).tolist()
-
-
-def git_commit() -> str:
-    if os.environ.get("DDTREE_COMMIT"):  # a copy of the tree without its history (the GPU machine's)
-        return os.environ["DDTREE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def sync(dev: torch.device) -> None:
