@@ -73,14 +73,17 @@ print("PRESET " + json.dumps(out), flush=True)
 """
 
 
+def _text(x) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
 def run(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[float, str, str, int]:
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         rc, out, err = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out, err = 124, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), \
-            (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+    except subprocess.TimeoutExpired as e:  # (its output comes back as bytes even with text=True)
+        rc, out, err = 124, _text(e.stdout), _text(e.stderr)
     wall = time.perf_counter() - t0
     log.write_text(f"$ {' '.join(cmd)}\n--- rc {rc}, wall {wall:.2f} s\n--- stdout\n{out}\n--- stderr\n{err}")
     return wall, out, err, rc
@@ -156,11 +159,10 @@ def main() -> None:
         print(f"{r['case']:<10} {r['state']:<5} {r['wall_s']:8.1f}  {json.dumps(det)}")
     if a.out:
         import torch
+        from bench_engine import git_commit  # (scripts/ is on the path when a script runs)
 
         doc = {"kind": "startup", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT).stdout.strip(), "rows": rows}
+               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "rows": rows}
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(doc, indent=1))
 

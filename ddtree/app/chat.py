@@ -409,13 +409,7 @@ def run_chat(opts: dict, given: frozenset, stage: Callable[[str], None]) -> int:
     from ddtree.app import setup as S
     from ddtree.decode.conversation import SNAPSHOTS
 
-    method = S.parse_method(opts["method"], bool(opts["drafter"]))
-    budget = S.parse_budget(opts["budget"])
-    S.check_sampling(float(opts["temperature"]), float(opts["top_p"]), int(opts["top_k"]))
-    S.check_dtype(opts["dtype"])
-    S.check_devices(opts["devices"])
-    if method != "ar" and not opts["drafter"]:
-        raise DDTreeError(f"--method {method} needs a drafter: pass --drafter REF (e.g. z-lab/Qwen3.6-27B-DFlash) or use --method ar")
+    method, budget = S.check_model_options(opts)
     S.precheck_model(opts["target"], "target")
     if opts["drafter"]:
         S.precheck_model(opts["drafter"], "drafter")

@@ -497,15 +497,9 @@ def _check_generate(S, opts: dict) -> tuple:
     unless ddtree), tensor-parallel ranks, the --stats-json path | None)."""
     import importlib.util
 
-    method = S.parse_method(opts["method"], bool(opts["drafter"]))
-    budget = S.parse_budget(opts["budget"])  # checked even where the method ignores it
+    method, budget = S.check_model_options(opts)
     budget = budget if method == "ddtree" else None
-    S.check_sampling(float(opts["temperature"]), float(opts["top_p"]), int(opts["top_k"]))
-    S.check_dtype(opts["dtype"])
-    S.check_devices(opts["devices"])
     tp = int(opts["tp"])
-    if method != "ar" and not opts["drafter"]:
-        raise DDTreeError(f"--method {method} needs a drafter: pass --drafter REF (e.g. z-lab/Qwen3.6-27B-DFlash) or use --method ar")
     if tp > 1:
         if importlib.util.find_spec("ddtree.parallel.tp") is None:
             raise DDTreeError("tensor parallelism not available in this build: drop --tp, or split layers with --devices cuda:0,cuda:1")

@@ -141,6 +141,21 @@ def check_devices(devices: Any, one: bool = False) -> None:
         raise DDTreeError(f"--devices {','.join(names)} names several devices: this command runs on one, e.g. --devices cuda:0")
 
 
+def check_model_options(opts: dict) -> tuple[str, int | str]:
+    """The torch-free checks of every command that runs the models (generate, chat): the method,
+    the budget (checked even where the method ignores it), sampling, dtype, devices, and a drafter
+    where the method needs one. -> (method, budget as given)."""
+    method = parse_method(opts["method"], bool(opts["drafter"]))
+    budget = parse_budget(opts["budget"])
+    check_sampling(float(opts["temperature"]), float(opts["top_p"]), int(opts["top_k"]))
+    check_dtype(opts["dtype"])
+    check_devices(opts["devices"])
+    if method != "ar" and not opts["drafter"]:
+        raise DDTreeError(f"--method {method} needs a drafter: pass --drafter REF (e.g. z-lab/Qwen3.6-27B-DFlash) "
+                          "or use --method ar")
+    return method, budget
+
+
 def looks_local(ref: str) -> bool:
     """A path rather than a Hugging Face repo id (org/name)."""
     return ref.startswith((".", "/", "~")) or ref.count("/") != 1 or os.sep in ref.replace("/", "", 1)

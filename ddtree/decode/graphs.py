@@ -341,8 +341,10 @@ class GraphRunner:
         return len(self.target.stages) > 1
 
     def _run(self, key, fn, keep):
-        if key in self._graphs or (not self.use_graphs and (key in self._seen or not self.target.compile_layers)):
+        first = key not in self._graphs if self.use_graphs else (self.target.compile_layers and key not in self._seen)
+        if not first:
             return self._first_or_replay(key, fn, keep)
+        self.new_keys += 1  # a capture, or the first compiled run of an eager piece
         with self.clock.phase("capture"):
             return self._first_or_replay(key, fn, keep)
 
@@ -354,7 +356,6 @@ class GraphRunner:
             # first run with compiled layers in eager rounds (a layer split): a compile failure
             # restores the state and runs it with the eager layers, as under graphs
             snap = self.snapshot(keep)
-            self.new_keys += 1
             try:
                 out = fn()
             except Exception as e:
@@ -363,8 +364,6 @@ class GraphRunner:
                 out = fn()
             self._seen.add(key)
             return out
-        if key not in self._graphs:
-            self.new_keys += 1
         if key not in self._graphs and self.split:
             self.log(f"capturing {key} in segments")
             self._capture_segments(key, fn, keep)
