@@ -12,7 +12,9 @@
    gdn_tree_blocked (`blocked`: its rule's block, root and tiles; `blocked<B>`: blocks of B nodes
    of --blocks, `root`: with the root folded into the state first, at its tiles and at each of
    --tiles); and `blocked prologue` (the engine's path past one tile: gdn_tree.gdn_prologue from
-   the projection, then gdn_tree_blocked; less the projection's time).
+   the projection, then gdn_tree_blocked; less the projection's time) against `fused<B>` (the same
+   in one launch, gdn_tree.gdn_tree_fused, in blocks of B, at its tiles and at (BV, warps) 32,4
+   64,4 128,8; less the projection's time).
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -108,6 +110,12 @@ def gdn_layer(tc: dict, seed: int = 0):
     return model
 
 
+def _noted(into: set, fn):
+    """fn, added to `into` (the paths timed from the projection)."""
+    into.add(fn)
+    return fn
+
+
 def random_parents(T: int, seed: int) -> list[int]:
     """A ddtree-like tree: a spine with branches off random earlier nodes."""
     g = torch.Generator().manual_seed(seed)
@@ -154,6 +162,11 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
             pj, ex = layer.project(x)
             return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, pj, ex, step.window), S0, mask, scratch, prec)
 
+        def fused(block=16, t=None):  # the same in one launch (gdn_tree_fused), less the projection's time
+            pj, ex = layer.project(x)
+            return gdn_tree.gdn_tree_fused(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t, block=block)
+
+        with_proj = {blocked_prologue}
         proj_ms = graph_ms(lambda: layer.project(x))
         row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
         for name, fn in () if core_only else (("wy", wy), ("kernel", kernel), ("prologue", prologue)):
@@ -176,6 +189,8 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
                          ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked prologue", blocked_prologue),
+                         *((f"fused{b}" + (f" BV{t[0]} w{t[1]}" if t else ""), _noted(with_proj, lambda b=b, t=t: fused(b, t)))
+                           for b in (16, 64) for t in (None, (32, 4), (64, 4), (128, 8))),
                          *((f"blocked{b} root" if r else f"blocked{b}", lambda b=b, r=r: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, block=b, root=r))
                            for b in blocks for r in (False, True)),
@@ -183,7 +198,7 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
                              q, k, v, g, beta, S0, mask, scratch, prec, tiles=t, block=b, root=r))
                            for b in blocks for t in tiles for r in (False, True))):
             try:
-                core[name] = dict(ms=graph_ms(fn) - (proj_ms if fn is blocked_prologue else 0.0), err=err(fn()))
+                core[name] = dict(ms=graph_ms(fn) - (proj_ms if fn in with_proj else 0.0), err=err(fn()))
             except Exception as e:  # a tile past the shared memory: noted, not fatal
                 core[name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
         row["core"] = core

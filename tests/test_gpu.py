@@ -187,3 +187,53 @@ def test_tree_kernel_up_to_128_nodes_under_graphs_equals_torch_path():
         toks[opts] = [dec.generate(prompt, m, budget=b, max_new_tokens=32).token_ids
                       for m, b in (("dflash", 1), ("ddtree", 8), ("ddtree", 40), ("ddtree", 64))]
     assert len(set(map(str, toks.values()))) == 1
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_fused_tree_verify_at_27b_shapes_equals_unfused(precision):
+    """The one-launch blocked verify (gdn_tree.gdn_tree_fused) against the prologue kernel + the
+    two-pass blocked kernel and against tree_wy on one GDN layer of Qwen3.6-27B's shapes (48 value
+    heads of 128 over 16 key heads), float32, random trees of 17 / 33 / 65 nodes and 16-node blocks
+    (with the root folded) and one 64-node block: outputs and commit scratch."""
+    from helpers import assert_rel
+
+    from ddtree.model.presets import qwen36_27b_config
+    from ddtree.model.synthetic import build_random_target, tiny_hybrid_config
+    from ddtree.ops import gdn, gdn_tree
+    from ddtree.ops.tree import ancestor_mask_from_parents
+
+    tc = qwen36_27b_config()["text_config"]
+    cfg = tiny_hybrid_config(vocab=256, hidden=tc["hidden_size"], layers=("linear_attention",), heads=4, kv_heads=1,
+                             head_dim=64, gdn_k_heads=tc["linear_num_key_heads"], gdn_v_heads=tc["linear_num_value_heads"],
+                             gdn_k_dim=tc["linear_key_head_dim"], gdn_v_dim=tc["linear_value_head_dim"], inter=64)
+    dev = torch.device("cuda")
+    model = build_random_target(cfg, device=dev, dtype=torch.float32, seed=0, max_len=512)
+    layer = model.layers[0].linear_attn
+    g_ = torch.Generator().manual_seed(11)
+    for T in (17, 33, 65):
+        parents = torch.tensor([-1] + [int(torch.randint(max(0, n - 3), n, (1,), generator=g_)) for n in range(1, T)])
+        mask = ancestor_mask_from_parents(parents).to(dev)
+        layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_).to(dev))
+        layer.rec_state.copy_(torch.randn(layer.rec_state.shape, generator=g_).to(dev) * 0.05)
+        x = torch.randn(T, tc["hidden_size"], generator=g_).to(dev)
+        s = model.make_step(100 + mask.sum(1) - 1, mask, parents.to(dev), torch.tensor(100, device=dev), 100 + T, dev)
+        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
+        proj = layer.in_proj(x)
+
+        def scratch():
+            return [torch.full((layer.hv, T, d), float("nan"), device=dev) for d in (layer.dk, layer.dv)] + \
+                [torch.full((layer.hv, T), float("nan"), device=dev)]
+
+        ref_out = scratch()
+        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=ref_out)
+        two = scratch()
+        o_two = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, s.window), layer.rec_state, mask, two,
+                                          precision)
+        for block in (16, 64):
+            got = scratch()
+            o = gdn_tree.gdn_tree_fused(layer, proj, ext, s.window, layer.rec_state, mask, got, precision, block=block)
+            tol = 2e-5 if precision == "tf32x3" else 1e-5
+            assert_rel(o, o_two, tol, f"fused vs two-pass T={T} block={block}")
+            assert_rel(o, o_ref, tol, f"fused vs tree_wy T={T} block={block}")
+            for a_, b_ in zip(got, ref_out):
+                assert_rel(a_, b_, tol, f"scratch T={T} block={block}")

@@ -339,7 +339,8 @@ class Decoder:
         return Job(method, budget, auto, k, sampling, max_new_tokens, seed, top1_first)
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: list[int], job: Job, start: int = 0, taps: bool | None = None) -> Prefilled:
+    def prefill(self, prompt_ids: list[int], job: Job, start: int = 0, taps: bool | None = None,
+                fast: bool | None = None) -> Prefilled:
         """Reset the state, run the prompt through the target (in chunks; the drafter's context
         grows chunk by chunk), choose the first token and draft the first block. The generator
         (job's seed) carries on into `decode`.
@@ -347,7 +348,8 @@ class Decoder:
         start > 0 continues from a kept state instead of a reset: the target's committed state
         holds prompt_ids[:start] (and the drafter's context, where taps are on, start rows), so
         only the rest is prefilled (ddtree.decode.conversation). taps: the drafter's context
-        from the prompt (default: for every method but `ar`)."""
+        from the prompt (default: for every method but `ar`). fast: the compiled prefill layers,
+        fla and the compiled drafter (True) or their eager twins (False); default the rule below."""
         tgt, dev = self.target, self.device
         drafts = job.method != "ar"
         taps_on = drafts if taps is None else taps and self.drafter is not None
@@ -358,7 +360,10 @@ class Decoder:
         # A short prefill takes the eager prefill layers and the torch GDN chain, and the drafter's
         # context and first block run eagerly: compiling them and tuning fla's kernels would cost
         # more than they save on it (options.prefill_fast_min); the rounds compile what they need.
-        fast = len(prompt_ids) - start >= self.options.prefill_fast_min
+        # A continued conversation's turn takes the fast path once a fast prefill has run: nothing
+        # is left to compile, and the eager twins cost several times more a token.
+        if fast is None:
+            fast = len(prompt_ids) - start >= self.options.prefill_fast_min or (start > 0 and tgt.fast_prefill_ran)
         self.use_compile(drafter=fast)
         if start == 0:
             tgt.reset()

@@ -209,7 +209,8 @@ class GatedDeltaNet(nn.Module):
 
     def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         """A tree's verify with the prologue in Triton (twin: the qkvgb path of forward): inside
-        the one-tile tree kernel (gdn_tree.gdn_tree_prologue), or for larger trees one kernel
+        the one-tile tree kernel (gdn_tree.gdn_tree_prologue), or for larger trees the blocked
+        recurrence with it in one launch (gdn_tree.gdn_tree_fused), or one kernel
         (gdn_tree.gdn_prologue) ahead of the blocked recurrence (gdn_tree_blocked)."""
         T, kn = x.shape[0], s.kernels
         proj, ext = self.project(x)
@@ -219,6 +220,8 @@ class GatedDeltaNet(nn.Module):
         if kn.tree(T, self.dk):
             o = gdn_tree.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask, scratch,
                                            kn.tree_precision)
+        elif kn.fused(T, self.dk):  # the blocked verify in one launch
+            o = gdn_tree.gdn_tree_fused(self, proj, ext, s.window, self.rec_state, s.path_mask, scratch, kn.tree_precision)
         else:
             o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(self, proj, ext, s.window), self.rec_state,
                                           s.path_mask, scratch, kn.tree_precision)
@@ -449,6 +452,7 @@ class TargetModel(nn.Module):
         self.kernels: dict[int, Kernels] = {}  # per stage: its device's fast paths (use)
         self.compile_layers = False  # run decoder layers through torch.compile (see compiled_layer)
         self._prefill_compile_failed = False  # a compile error in the prefill: eager prefill layers from then on
+        self.fast_prefill_ran = False  # a fast prefill ran (compiled where compile_layers): nothing of it is left to compile
 
     # ------------------------------------------------------------------ placement and state
     @property
@@ -690,6 +694,7 @@ class TargetModel(nn.Module):
             logits, tap = self._prefill_chunk(t, start + s0, want, fast)
             if tap is not None:
                 on_taps(tap) if on_taps is not None else taps.append(tap)
+        self.fast_prefill_ran |= fast
         return logits, (torch.cat(taps) if taps else None)
 
     def _prefill_chunk(self, tokens: torch.Tensor, start: int, want_taps: bool, fast: bool = True):
