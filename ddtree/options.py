@@ -14,7 +14,7 @@ package reads the environment for these.
     tree_prologue    DDTREE_TREE_PROLOGUE     65        the GDN prologue in Triton for trees of up to N nodes: inside the one-tile tree kernel, or one kernel ahead of the blocked one (0: off)
     tree_fused       DDTREE_TREE_FUSED        0         trees past the one-tile kernel's sizes, up to N nodes, verify their GDN layers in one launch (prologue, matrices and blocks; 0: the prologue kernel, then the two passes)
     attention        DDTREE_ATTENTION         auto      tree / decode attention: auto (the split-KV kernel where it runs), kernel, sdpa (dense-mask twin)
-    prefill_attention DDTREE_PREFILL_ATTENTION auto     prefill attention: auto (cuDNN, else FlashAttention-2, else the split-KV kernel), cudnn, flash, triton, efficient
+    prefill_attention DDTREE_PREFILL_ATTENTION auto     prefill attention: auto (cuDNN for long chunks, FlashAttention-2 for short ones, each the other's fallback, else the split-KV kernel), cudnn, flash, triton, efficient
     verify_fused     DDTREE_VERIFY_FUSED      auto      a verify's long committed prefix through cuDNN's attention, the rest by the split-KV kernel: auto (Hopper), on (any CUDA GPU), off
     fla              DDTREE_NO_FLA=1          on        flash-linear-attention's chunk kernel for prefill (when installed)
     prefill_fast_min DDTREE_PREFILL_FAST_MIN  2048      prompts of at least N tokens prefill through the compiled layers and fla; shorter ones through their eager twins (no compile or tuning before a short prompt's first token)
@@ -86,7 +86,7 @@ class Options:
     attention: str = _switch("DDTREE_ATTENTION", "tree/decode attention: auto, kernel (split-KV), sdpa (dense-mask twin)",
                              _choice("auto", "kernel", "sdpa"), default="auto")
     prefill_attention: str = _switch("DDTREE_PREFILL_ATTENTION",
-                                     "prefill attention: auto (cuDNN, else FlashAttention-2, else the split-KV kernel), "
+                                     "prefill attention: auto (cuDNN for long chunks, FlashAttention-2 for short ones, each the other's fallback, else the split-KV kernel), "
                                      "cudnn, flash, triton, efficient",
                                      _choice("auto", "cudnn", "flash", "triton", "efficient"), default="auto")
     verify_fused: str = _switch("DDTREE_VERIFY_FUSED",

@@ -665,6 +665,20 @@ def _merge_counters(merge: str, rows: int, bm: int, bmm: int, KVH: int, dev) -> 
 
 # ----------------------------------------------------------------------------- prefill
 PREFILL_BACKENDS = ("auto", "flash", "cudnn", "triton", "efficient", "math")
+# auto's order of the fused kernels for a chunk of T queries at prefix `start`: cuDNN first only
+# where its speed pays for building its graph, which torch's SDPA does for every new shape (every
+# new prefix length). An H200 measured cuDNN at twice FA2's TFLOP/s at D = 256 (4096-token chunks:
+# 0.36 against 0.75 ms a layer at prefix 0, 5.7 against 11.1 at 32K; results/attention-h200.json),
+# and a chat turn's 200-token prefill over a new prefix of 17-18K about 45 ms above the same
+# prefill over a prefix length seen before (results/chat-h200.json: turns 3-8 against turn 2),
+# which is what cuDNN saves on 16 such layers at T (start + T/2) of about 2^26 (a 200-token chunk at
+# 330K, an 8192-token chunk past 4K).
+CUDNN_MIN_WORK = 1 << 26
+
+
+def fused_prefill_order(T: int, start: int) -> tuple[str, str]:
+    """auto's fused backends for a chunk, first choice first (CUDNN_MIN_WORK)."""
+    return ("cudnn", "flash") if T * (start + T // 2) >= CUDNN_MIN_WORK else ("flash", "cudnn")
 
 
 def _sdpa_backend(name):
@@ -739,9 +753,10 @@ def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str 
     SDPA backend that takes GQA, per torch's docs, and the one `causal_lower_right` dispatches to
     first); "triton" this module's kernel (prefix splits off, the chunk causal); "efficient"
     memory-efficient SDPA (lower-right causal but no GQA: one call per KV head, its K/V broadcast
-    over the group's query heads); "math" the dense twin's path; "auto": cudnn where it runs
-    (twice flash's TFLOP/s at D = 256 on an H200), else flash, else triton on CUDA, else
-    efficient; math on CPU."""
+    over the group's query heads); "math" the dense twin's path; "auto": cudnn and flash in
+    fused_prefill_order's order (cuDNN is twice flash's TFLOP/s at D = 256 on an H200 but builds a
+    graph for every new shape), the first that runs, else triton on CUDA, else efficient; math on
+    CPU."""
     T, H, D = q.shape
     KVH = k_cache.shape[1]
     G = H // KVH
@@ -751,7 +766,7 @@ def prefill_attention(q, k_cache, v_cache, start: int, scale=None, backend: str 
         if not q.is_cuda:
             backend = "math"
         else:
-            for fused in ("cudnn", "flash"):  # the fused kernels, fastest first (results/attention-h200.json)
+            for fused in fused_prefill_order(T, start):  # the fused kernels, cheapest first for this chunk
                 if q.dtype in (torch.float16, torch.bfloat16) and (fused, q.device, q.dtype, D) not in _FUSED_FAILED:
                     try:
                         return prefill_attention(q, k_cache, v_cache, start, scale, fused)

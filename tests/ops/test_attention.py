@@ -572,3 +572,15 @@ def test_greedy_decoding_through_the_fused_prefix_equals_ar(small_fused_plan, mo
         toks[name] = dec.generate(prompt, method, max_new_tokens=10, **kw).token_ids
     assert seen, "the fused prefix never ran"
     assert toks["dflash"] == toks["ar"] and toks["ddtree"] == toks["ar"]
+
+
+def test_auto_prefill_takes_cudnn_only_where_its_graph_build_pays():
+    """auto's fused prefill order: FA2 first for a chat turn's short chunk over a long prefix and
+    for short fresh prompts (cuDNN builds a graph for every new shape), cuDNN first for the long
+    prompt's chunks (twice FA2's speed there)."""
+    assert A.fused_prefill_order(200, 17_000) == ("flash", "cudnn")  # a chat turn
+    assert A.fused_prefill_order(1500, 0) == ("flash", "cudnn")  # a short prompt
+    assert A.fused_prefill_order(8192, 0) == ("flash", "cudnn")
+    assert A.fused_prefill_order(8192, 8192) == ("cudnn", "flash")  # the long prompt's later chunks
+    assert A.fused_prefill_order(8192, 131072) == ("cudnn", "flash")
+    assert A.fused_prefill_order(200, 400_000) == ("cudnn", "flash")

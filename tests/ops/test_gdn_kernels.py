@@ -60,6 +60,22 @@ def _run_step(model, inputs, fast: bool):
     return o, kb, ub, cb, layer.ext_buf[: layer.width].clone()
 
 
+def _random_tree_step(model, layer, T: int, g_, shape: str = "random"):
+    """A random tree of T nodes rooted at node 0 (shape "chain" or "star" instead), random conv and
+    recurrent states in `layer`, a random input: -> (mask, x, step) at committed length 4."""
+    parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
+    if shape == "chain":
+        parents = torch.arange(T) - 1
+    elif shape == "star":
+        parents = torch.tensor([-1] + [0] * (T - 1))
+    mask = ancestor_mask_from_parents(parents).to(DEV)
+    x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
+    layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_))
+    layer.rec_state.copy_(torch.randn(layer.rec_state.shape, generator=g_) * 0.5)
+    s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
+    return mask, x, s
+
+
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
 def test_step_kernel_matches_torch_path(cfg):
     """float32: output, the commit scratch (k, U, c) and the conv rows equal the torch path's."""
@@ -195,14 +211,7 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(6)
     for T in (2, 3, 9, 16, 17, 33):
-        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
-        if T == 16:  # a chain (the DFlash block)
-            parents = torch.arange(T) - 1
-        mask = ancestor_mask_from_parents(parents).to(DEV)
-        x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
-        layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_))
-        layer.rec_state.copy_(torch.randn(layer.rec_state.shape, generator=g_) * 0.5)
-        s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
+        mask, x, s = _random_tree_step(model, layer, T, g_, "chain" if T == 16 else "random")  # 16: the DFlash block
         q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
         scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
@@ -264,17 +273,8 @@ def test_fused_tree_kernel_matches_prologue_and_tree_wy(cfg, block, root):
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(8 + block)
     fast = dataclasses.replace(resolve(FAST, DEV), tree_max_nodes=0, tree_fused=65)
-    for T in (2, 9, 17, 32, 33, 50, 65):
-        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
-        if T == 32:  # a chain across a block edge
-            parents = torch.arange(T) - 1
-        if T == 9:  # a star
-            parents = torch.tensor([-1] + [0] * (T - 1))
-        mask = ancestor_mask_from_parents(parents).to(DEV)
-        x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
-        layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_))
-        layer.rec_state.copy_(torch.randn(layer.rec_state.shape, generator=g_) * 0.5)
-        s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
+    for T in (2, 9, 17, 32, 33, 50, 65):  # 9: a star; 32: a chain across a block edge
+        mask, x, s = _random_tree_step(model, layer, T, g_, {9: "star", 32: "chain"}.get(T, "random"))
         q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
         scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
