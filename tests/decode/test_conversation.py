@@ -206,3 +206,31 @@ def test_snapshot_bytes_are_the_memory_plans(hybrid):
     n_gdn = cfg.layer_types.count(mem.GDN)
     held = sum(t.numel() * t.element_size() for pair in conv.store.values() for t in pair)
     assert held == mem.gdn_snapshot_bytes(cfg, n_gdn, dec.target.dtype, SNAPSHOTS)
+
+
+def test_a_kept_state_turn_prefills_fast_once_a_fast_prefill_ran(monkeypatch):
+    """Decoder.prefill's path: a short fresh prompt takes the eager twins (nothing compiled before
+    its first token); a kept conversation's turn takes them too until a fast prefill has run (the
+    settle after a reply is one), then the fast path (compiled layers, fla), as a long prompt does."""
+    with torch.no_grad():
+        dec, _ = build_random_pair("hybrid", seed=6, max_len=256)
+    seen = []
+    real = dec.target.prefill
+    monkeypatch.setattr(dec.target, "prefill", lambda *a, **k: seen.append(k.get("fast", True)) or real(*a, **k))
+    vocab = dec.target.cfg.vocab_size
+    conv = Conversation(dec)
+    ids = rand_ids(20, vocab, 30)
+    conv.turn(ids, dec.job("ddtree", 4, max_new_tokens=6, prompt_len=len(ids)))
+    assert seen == [False] and not dec.target.fast_prefill_ran  # a short fresh prompt: eager
+    ids = conv.tokens + rand_ids(5, vocab, 31)
+    conv.turn(ids, dec.job("ddtree", 4, max_new_tokens=6, prompt_len=len(ids)))
+    assert seen[-1] is False  # still nothing fast has run
+    done = conv.tokens
+    conv.settle(done, taps=True)  # the settle prefills through the fast path
+    assert seen[-1] is True and dec.target.fast_prefill_ran
+    ids = done + rand_ids(5, vocab, 32)
+    conv.turn(ids, dec.job("ddtree", 4, max_new_tokens=6, prompt_len=len(ids)))
+    assert seen[-1] is True  # a kept state's turn, now fast
+    n = len(seen)
+    dec.prefill(rand_ids(20, vocab, 33), dec.job("ddtree", 4, max_new_tokens=6, prompt_len=20))
+    assert seen[n:] == [False]  # a fresh short prompt stays eager
