@@ -141,7 +141,7 @@ class ChatSession:
         self.budget = parse_budget(value, "/budget")
 
     def label(self) -> str:
-        return f"ddtree {self.budget}" if self.method == "ddtree" else self.method
+        return method_label(self.method, self.budget)
 
     # ---------------------------------------------------------------- turns
     def send(self, text: str, on_tokens: Callable[[list[int]], None] | None = None) -> TurnResult:
@@ -250,10 +250,14 @@ def turn_stats(message: int, method: str, budget, prompt_tokens: int, reuse, rec
     }
 
 
+def method_label(method: str, budget) -> str:
+    """'ddtree 32', 'dflash', 'ar': a method as the chat names it."""
+    return f"ddtree {budget}" if method == "ddtree" else method
+
+
 def stats_line(t: dict) -> str:
     """/stats: the last turn in one line."""
-    label = f"ddtree {t['budget']}" if t["method"] == "ddtree" else t["method"]
-    head = f"{label}: {t['new_tokens']} new tokens from a {t['prompt_tokens']}-token conversation"
+    head = f"{method_label(t['method'], t['budget'])}: {t['new_tokens']} new tokens from a {t['prompt_tokens']}-token conversation"
     if t["interrupted"] or t["ttft_s"] is None:
         head += " (interrupted)"
     else:
