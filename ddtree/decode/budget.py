@@ -107,7 +107,7 @@ class BudgetChooser:
     def pred(self) -> float:
         return self.mem.pred
 
-    def ratio(self, b: int) -> float:
+    def ratio(self) -> float:
         """accepted / E_q over the tree rounds so far, pooled over budgets (a ratio per budget
         would learn only from the budgets chosen, and keep the others where an unlucky round left them)."""
         return self.acc / self.pred
@@ -125,7 +125,7 @@ class BudgetChooser:
 
     def rates(self, eq: dict[int, float], cap: int | None = None) -> dict[int, float]:
         """Expected tokens per ms of every arm the tree at hand covers (eq: budget -> its E_q)."""
-        rate = {b: (1 + self.ratio(b) * eq[b]) / self.cost(b) for b in self.verify_ms
+        rate = {b: (1 + self.ratio() * eq[b]) / self.cost(b) for b in self.verify_ms
                 if b in eq and (cap is None or b <= cap)}
         if self.plain_ms is not None:
             rate[0] = 1.0 / self.cost(0)
@@ -161,7 +161,7 @@ class BudgetChooser:
         if self.plain_ms is None:
             return False
         avg = self.mem.eq_avg or eq or {}
-        trees = [(1 + self.ratio(b) * e) / self.cost(b) for b, e in avg.items() if b in self.verify_ms]
+        trees = [(1 + self.ratio() * e) / self.cost(b) for b, e in avg.items() if b in self.verify_ms]
         return not trees or 1.0 / self.cost(0) > max(trees)
 
     def wants_tree(self, eq: dict[int, float]) -> bool:

@@ -33,7 +33,7 @@ def test_acceptance_ratio_and_round_costs_are_learnt():
     assert ch.pick(scores)[0] == 64  # trusting the drafter, the big tree pays
     for _ in range(30):  # but the target accepts nothing the drafter proposes
         ch.update(64, 20.4, 0, wall_ms=20.0)
-    assert ch.acc / ch.pred < 0.01 and ch.ratio(64) < 0.01
+    assert ch.acc / ch.pred < 0.01 and ch.ratio() < 0.01
     assert ch.cost(64) == 20.0  # the whole round, measured
     assert abs(ch.cost(4) - 16.0) < 1e-9  # an arm not yet timed: its verify + what timed trees spent beyond theirs
     assert ch.pick(scores)[0] == 4  # then the cheaper verify wins
@@ -122,7 +122,7 @@ def test_a_new_chooser_starts_from_what_the_decoder_measured():
     first.probe_answered(0)
     second = BudgetChooser({4: 10.0}, plain_ms=9.0, memory=mem)
     assert second.cost(0) == 30.0 and second.cost(4) == 12.0 and second.probe_every == 2 * PLAIN_PROBE
-    assert second.ratio(4) == first.ratio(4)
+    assert second.ratio() == first.ratio()
 
 
 def test_staged_tree_follows_the_choice_and_climbs():
