@@ -63,7 +63,7 @@ class TurnResult:
     record: Any  # the GenerationRecord, or None when interrupted
 
 
-class ChatSession:
+class Chat:
     """The conversation without its terminal: messages, settings and the kept state."""
 
     def __init__(self, spec, decoder, opts: dict, template: bool, system: str | None = None):
@@ -308,13 +308,13 @@ class TerminalInput:
         def _newline(event):
             event.current_buffer.insert_text("\n")
 
-        self.session = PromptSession(history=InMemoryHistory(), key_bindings=keys, multiline=False,
-                                     prompt_continuation="... ")
+        self.editor = PromptSession(history=InMemoryHistory(), key_bindings=keys, multiline=False,
+                                    prompt_continuation="... ")
 
     def read(self) -> str | None:
         while True:
             try:
-                return self.session.prompt(">>> ")
+                return self.editor.prompt(">>> ")
             except KeyboardInterrupt:
                 continue  # the line is cleared
             except EOFError:
@@ -329,8 +329,8 @@ class TerminalInput:
 class Repl:
     """Reads messages and commands, streams replies; -> the exit status (0)."""
 
-    def __init__(self, session: ChatSession, source, out=None):
-        self.s, self.source = session, source
+    def __init__(self, chat: Chat, source, out=None):
+        self.s, self.source = chat, source
         self.out = out or sys.stdout
 
     def say(self, line: str) -> None:
@@ -434,10 +434,10 @@ def run_chat(opts: dict, given: frozenset, stage: Callable[[str], None]) -> int:
     loaded = S.load_models(spec, max_len, spec.drafter_cfg is not None, stage, room=room,
                            auto=budget == "auto", snapshots=SNAPSHOTS)
     S.flush_notices()
-    session = ChatSession(spec, loaded.decoder, dict(opts, method=method, budget=budget), template, system)
+    chat = Chat(spec, loaded.decoder, dict(opts, method=method, budget=budget), template, system)
     stage(f"chatting ({method})")
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     if tty:
-        print(f"ddtree chat: {spec.target_ref} ({session.label()}); /help lists the commands, Ctrl-D leaves",
+        print(f"ddtree chat: {spec.target_ref} ({chat.label()}); /help lists the commands, Ctrl-D leaves",
               file=sys.stderr, flush=True)
-    return Repl(session, TerminalInput() if tty else LineInput()).run()
+    return Repl(chat, TerminalInput() if tty else LineInput()).run()

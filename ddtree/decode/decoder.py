@@ -117,7 +117,7 @@ class Decoder:
         self.statics = Statics(dev)
         self._slots: dict[int, Slot] = {}
         self._stages: dict[int, Slot] = {}
-        self._verify_cost: dict = {}  # auto: (context bucket, greedy) -> ({budget: verify ms}, AutoMemory)
+        self._verify_cost: dict = {}  # auto.calibrate: (bucket, greedy, near the end) -> (verify ms, draft ms, AutoMemory)
         self.deferred = None  # auto's deferred drafter context (ddtree.decode.round.DeferredContext), made on first use
         self._compile_noticed = False
         self.startup = StartupClock()  # compile, capture and prefill seconds (ddtree.decode.startup)
