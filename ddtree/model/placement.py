@@ -173,7 +173,8 @@ def _phases(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, start: int
       hands them to the drafter; `tap` lives on into the next chunk) and the last row's logits.
     context (DFlashDrafter.add_context of a chunk's taps, on_taps): working on the drafter's stage
       (memory.drafter_context_bytes, + the taps' copy when the drafter is on another GPU than the
-      lm_head); held: the chunk's taps on the last stage.
+      lm_head); held: what TargetModel.prefill keeps while on_taps runs: the chunk's tokens (first
+      stage), its taps and the last row's logits (last stage).
     verify / draft: a tree's forward (its masks, layers, masked SDPA; logits and taps on the last
       stage) and a drafter round (its logits on the lm_head's stage)."""
     S, dt, H = wl.max_len, wl.dtype, cfg.hidden_size
@@ -201,7 +202,8 @@ def _phases(cfg: TargetConfig, d: DrafterConfig | None, lay: _Layers, start: int
     ph["verify"] = ((mem.logits_bytes(cfg, Tv, dt) + vtaps) if last else 0, forward(Tv) if end > start else 0)
     if d is not None:
         ctx = mem.drafter_context_bytes(cfg, d, T, dt) + (0 if drafter_beside_taps else taps)
-        ph["context"] = (taps if last else 0, ctx if drafter else 0)
+        ctx_held = (T * mem.LONG if first else 0) + (taps + mem.logits_bytes(cfg, 1, dt) if last else 0)
+        ph["context"] = (ctx_held, ctx if drafter else 0)
         ph["draft"] = (mem.logits_bytes(cfg, d.block_size - 1, dt) if last else 0,
                        mem.drafter_round_bytes(cfg, d, S, dt, wl.attention) if drafter else 0)
     return ph

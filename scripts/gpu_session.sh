@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The device runs that produce the GPU figures the docs quote, in groups that fit one call of the
+# device machine (10 minutes). Run from the repository root with the wheels in .whl/ (loguru,
+# flash-linear-attention, fla-core, prompt_toolkit, wcwidth) and, for the codepair groups, the
+# fixture as .fixture/codepair.tar.xz; outputs go to $OUT (default /tmp/ddtree-out).
+#   scripts/gpu_session.sh chat        # 27B shapes: chat TTFT table, memory plan at 32K
+#   scripts/gpu_session.sh suite       # codepair: the GPU test suite
+#   scripts/gpu_session.sh auto        # codepair: --budget auto against the fixed methods; memory plan at 128K
+#   scripts/gpu_session.sh verify      # 27B shapes: the fused GDN tree kernel at 33 / 65 nodes, the 1K engine with it
+set -u -o pipefail
+OUT=${OUT:-/tmp/ddtree-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export DDTREE_COMMIT=${DDTREE_COMMIT:-$(git rev-parse --short HEAD)}
+fixture() {
+    [ -d .fixture/codepair ] || python3 -c "import tarfile; tarfile.open('.fixture/codepair.tar.xz').extractall('.fixture')"
+    export DDTREE_FIXTURE=$PWD/.fixture/codepair
+}
+step() {  # step SECONDS LOGNAME COMMAND...: one run, its output teed under $OUT
+    local limit=$1 log=$2; shift 2
+    echo "== $* (limit ${limit}s)" | tee -a "$OUT/$log"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$log"
+    echo "== rc ${PIPESTATUS[0]} in $((SECONDS - t0))s" | tee -a "$OUT/$log"
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+case "${1:-}" in
+chat)
+    step 300 chat.log python3 scripts/bench_chat.py --out "$OUT/chat-h200.json"
+    step 200 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-h200.json"
+    ;;
+suite)
+    fixture
+    step 560 suite.log python3 -m pytest -q -m gpu -n 4 -v -p no:cacheprovider --durations=20 tests
+    ;;
+auto)
+    fixture
+    step 330 auto.log python3 scripts/bench_auto.py --fixture .fixture/codepair --out-dir "$OUT/auto"
+    tar -czf "$OUT/auto.tar.gz" -C "$OUT" auto && rm -rf "$OUT/auto"
+    step 200 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 131072 --out "$OUT/memory-plan-128k-h200.json"
+    ;;
+verify)
+    step 240 verify.log python3 scripts/bench_verify.py --parts core --nodes 33,65 --blocks --tiles --out "$OUT/verify-fused-33-65-h200.json"
+    step 150 engine.log env DDTREE_TREE_FUSED=0 python3 scripts/bench_engine.py --contexts 1024 --sizes 1,17,33,65 --out "$OUT/engine-1k-unfused-h200.json"
+    step 150 engine.log env DDTREE_TREE_FUSED=65 python3 scripts/bench_engine.py --contexts 1024 --sizes 1,17,33,65 --out "$OUT/engine-1k-fused-h200.json"
+    ;;
+*)
+    echo "error: name a group: chat, suite, auto or verify" >&2
+    exit 2
+    ;;
+esac
