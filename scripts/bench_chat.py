@@ -12,6 +12,11 @@ prompt the conversation so far (a plain transcript at the token level). Per turn
     through the path the turn took (Decoder.prefill's rule: a kept state's turn takes the fast
     path once a fast prefill ran; a fresh short prompt would take the eager twins);
   * target (turns > 1): chat TTFT <= 1.2 x alone + 20 ms.
+The conversation runs --passes times from a fresh Conversation (the same tokens); a turn's chat
+TTFT is the median over the passes, as `alone` is the median of three prefills: one sample of a
+launch-bound 200-token prefill on a shared host is not a figure. After each settle the heap is
+frozen as `ddtree chat` does (ddtree.decode.startup.freeze_heap); every turn records the time
+spent in the collector's full collections (generation 2) during it.
 Then decode tok/s of one long reply (--decode-tokens) after the whole conversation, through
 `Conversation.turn` and through `Decoder.generate` on the same tokens (target: within 3%), and
 whether their tokens agree. Prints a table, writes JSON (--out). Examples:
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import sys
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.decode.conversation import Conversation  # noqa: E402
 from ddtree.decode.decoder import Decoder  # noqa: E402
 from ddtree.decode.sampling import SamplingParams  # noqa: E402
+from ddtree.decode.startup import freeze_heap  # noqa: E402
 from ddtree.model.presets import PRESETS  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config, tiny_hybrid_config  # noqa: E402
 from ddtree.options import Options  # noqa: E402
@@ -62,25 +69,61 @@ def fresh_ttft(dec: Decoder, ids: list[int], job, fast: bool | None = None) -> f
     return time.perf_counter() - t0
 
 
-def run_conversation(dec: Decoder, args, vocab: int, method: str, budget, turns: int) -> tuple[list[dict], list[int]]:
-    """The chat: per turn its prompt, TTFT, reuse and settle. -> (rows, the conversation's tokens after the last reply)."""
+class FullCollections:
+    """Milliseconds the collector spends in full collections (generation 2) while counting."""
+
+    def __init__(self):
+        self.ms, self._t0 = 0.0, None
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict):
+        if info["generation"] == 2:
+            if phase == "start":
+                self._t0 = time.perf_counter()
+            elif self._t0 is not None:
+                self.ms += (time.perf_counter() - self._t0) * 1e3
+                self._t0 = None
+
+    def take(self) -> float:
+        ms, self.ms = self.ms, 0.0
+        return ms
+
+
+def run_conversation(dec: Decoder, args, vocab: int, method: str, budget, turns: int,
+                     full: FullCollections | None = None) -> tuple[list[dict], list[int]]:
+    """The chat: per turn its prompt, TTFT, reuse and settle (then, where `full` counts, the heap
+    frozen as ddtree chat does after a settle). -> (rows, the conversation's tokens after the last reply)."""
     conv = Conversation(dec)
     ids = rand_ids(args.system_tokens, vocab, 1) + rand_ids(args.turn_tokens, vocab, 100)
     rows = []
     for n in range(turns):
         job = dec.job(method, budget, SamplingParams(), args.reply_tokens, 0, False, len(ids))
+        if full:
+            full.take()
         rec = conv.turn(ids, job, marks=(args.system_tokens,), pin=(args.system_tokens,))
+        gc_ms = full.take() if full else None  # in full collections during the turn (prefill and reply)
         r = conv.last
         sync(dec.device)
         t0 = time.perf_counter()
         done = ids + rec.token_ids
         s = conv.settle(done, taps=method != "ar")
         sync(dec.device)
+        settle_ms = (time.perf_counter() - t0) * 1e3
+        if full:
+            freeze_heap(dec.graphs.new_keys)
         rows.append({"turn": n + 1, "prompt_tokens": len(ids), "reused": r.reused, "prefilled": r.prefilled,
                      "chat_ttft_ms": rec.ttft_s * 1e3, "decode_tok_s": rec.decode_tok_s, "ids": list(ids),
-                     "settle_prefilled": s.prefilled, "settle_ms": (time.perf_counter() - t0) * 1e3})
+                     "full_gc_ms": gc_ms, "settle_prefilled": s.prefilled, "settle_ms": settle_ms})
         ids = done + rand_ids(args.turn_tokens, vocab, 101 + n)
     return rows, ids[: len(ids) - args.turn_tokens]
+
+
+def heap_probe() -> dict:
+    """What a full collection costs in this process now (before the heap is frozen): objects tracked, ms."""
+    n = len(gc.get_objects())
+    t0 = time.perf_counter()
+    gc.collect()
+    return {"tracked_objects": n, "full_collection_ms": (time.perf_counter() - t0) * 1e3}
 
 
 def decode_rates(dec: Decoder, ids: list[int], method: str, budget, n_tokens: int, reps: int) -> dict:
@@ -115,6 +158,7 @@ def main():
     ap.add_argument("--method", default="ddtree")
     ap.add_argument("--budget", default="32")
     ap.add_argument("--reps", type=int, default=2, help="repetitions of the decode-rate pair")
+    ap.add_argument("--passes", type=int, default=3, help="runs of the whole conversation (a turn's chat TTFT: their median)")
     ap.add_argument("--out", default="results/chat.json")
     args = ap.parse_args()
     small = dict(system_tokens=256, turns=3, turn_tokens=20, reply_tokens=8, decode_tokens=16)
@@ -149,8 +193,20 @@ def main():
     fresh_ttft(dec, rand_ids(warm[-1]["prefilled"], vocab, 7), job, fast=True)
     decode_rates(dec, end, args.method, budget, min(args.decode_tokens, 32), 1)
     print(f"warm-up {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    heap = heap_probe()
+    heap["froze"] = freeze_heap(dec.graphs.new_keys)
+    print(f"heap after the warm-up: {heap['tracked_objects']} tracked objects, a full collection "
+          f"{heap['full_collection_ms']:.1f} ms (then frozen)", file=sys.stderr, flush=True)
 
-    rows, end = run_conversation(dec, args, vocab, args.method, budget, args.turns)
+    full = FullCollections()
+    passes = [run_conversation(dec, args, vocab, args.method, budget, args.turns, full) for _ in range(args.passes)]
+    rows, end = passes[0]
+    for i, r in enumerate(rows):
+        runs = [p[0][i] for p in passes]
+        r["chat_ttft_runs_ms"] = [x["chat_ttft_ms"] for x in runs]
+        r["chat_ttft_ms"] = statistics.median(r["chat_ttft_runs_ms"])
+        r["full_gc_runs_ms"] = [x["full_gc_ms"] for x in runs]
+        r["settle_ms"] = statistics.median(x["settle_ms"] for x in runs)
     for r in rows:
         ids = r.pop("ids")
         job = dec.job(args.method, budget, SamplingParams(), 8, 0, False, len(ids))
@@ -165,17 +221,19 @@ def main():
     decode = decode_rates(dec, end, args.method, budget, args.decode_tokens, args.reps)
     later = [r["chat_ttft_ms"] for r in rows[1:]]
 
-    head = ["turn", "context", "reused", "prefilled", "chat TTFT ms", "re-prefill TTFT ms", "alone ms",
-            "target ms", "met", "settle ms (tokens)"]
+    head = ["turn", "context", "reused", "prefilled", "chat TTFT ms", "(passes)", "re-prefill TTFT ms", "alone ms",
+            "target ms", "met", "settle ms (tokens)", "full gc ms"]
     table = [[str(r["turn"]), str(r["prompt_tokens"]), str(r["reused"]), str(r["prefilled"]), f"{r['chat_ttft_ms']:.1f}",
+              "/".join(f"{x:.0f}" for x in r["chat_ttft_runs_ms"]),
               f"{r['reprefill_ttft_ms']:.1f}", f"{r['alone_ms']:.1f}", f"{r['target_ms']:.1f}",
               "-" if r["meets"] is None else ("yes" if r["meets"] else "NO"),
-              f"{r['settle_ms']:.1f} ({r['settle_prefilled']})"] for r in rows]
+              f"{r['settle_ms']:.1f} ({r['settle_prefilled']})",
+              "/".join(f"{x:.0f}" for x in r["full_gc_runs_ms"])] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *table)]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and devices[0].startswith("cuda") else "cpu"
     print(f"\n{name}, {args.method} {budget if args.method == 'ddtree' else ''}, {gpu}, {datetime.date.today()}, "
           f"commit {git_commit()}: a {args.system_tokens}-token system prompt, {args.turns} turns of {args.turn_tokens} "
-          f"user + {args.reply_tokens} reply tokens")
+          f"user + {args.reply_tokens} reply tokens; chat TTFT the median of {args.passes} passes, alone of 3")
     for line in [head] + table:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
     if later:
@@ -188,7 +246,7 @@ def main():
           f"({'within' if ratio is not None and abs(ratio - 1) <= 0.03 else 'NOT within'} 3%); "
           f"same tokens: {'yes' if decode['same_tokens'] else 'no'}")
     doc = {"preset": name, "gpu": gpu, "date": str(datetime.date.today()), "commit": git_commit(),
-           "args": vars(args), "max_len": max_len, "turns": rows, "decode": decode,
+           "args": vars(args), "max_len": max_len, "heap": heap, "turns": rows, "decode": decode,
            "targets": {"ttft_met_all": all(r["meets"] for r in rows[1:]) if rows[1:] else None,
                        "decode_within_3pct": ratio is not None and abs(ratio - 1) <= 0.03}}
     out = Path(args.out)

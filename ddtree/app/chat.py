@@ -182,6 +182,8 @@ class Chat:
 
     def settle(self) -> None:
         """Bring the kept state to what every next turn shares (after a reply, a /load)."""
+        from ddtree.decode.startup import freeze_heap
+
         t0 = time.perf_counter()
         ids = self._shared(self.messages)
         r = self.conv.settle(ids, taps=self.method != "ar")
@@ -190,6 +192,8 @@ class Chat:
                                   settle_s=time.perf_counter() - t0)
         logger.debug(f"settled at {len(ids)} tokens: {r.reused} kept, {r.prefilled} prefilled"
                      + (" (a boundary restored)" if r.restored else ""))
+        if freeze_heap(self.dec.graphs.new_keys):  # while the reply is read: no full collection inside a turn
+            logger.debug("froze the heap after new compiled or captured work")
 
     # ---------------------------------------------------------------- /save, /load
     def document(self) -> dict:

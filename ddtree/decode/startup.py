@@ -9,10 +9,13 @@ first time (their JIT compile, or the load from Triton's disk cache): that stays
 The command line adds the phases before the decoder exists (`python`: process start to the
 command's entry; `setup`; `weights`) and prints one line after the first generation
 (`StartupClock.line`); the statistics' metadata holds the same numbers (`StartupClock.to_dict`).
+
+`freeze_heap` hands what that work left behind to gc.freeze, so later collections skip it.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from contextlib import contextmanager
@@ -40,6 +43,29 @@ def process_age_s() -> float | None:
         return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return None
+
+
+_FROZEN_AT: tuple | None = None  # (graph keys run, compile seconds) when the heap was last frozen
+
+
+def freeze_heap(new_keys: int) -> bool:
+    """Where a process keeps one decoder for good (ddtree chat, between turns): after compiling or
+    capturing (new_keys: GraphRunner.new_keys; torch's compile counter), one full collection, then
+    gc.freeze moves every surviving object into the collector's permanent generation.
+    torch.compile and graph capture leave hundreds of thousands of long-lived objects (FX graphs,
+    guards, sympy expressions, kernels); a full collection rescans all of them, and one that falls
+    inside a launch-bound prefill (a chat turn's) holds it up for as long. Frozen objects are still
+    freed by reference counting, but an object in a reference cycle (a Decoder and its graph
+    runner) never is: so not where decoders come and go (tests, benches). Nothing happens when
+    nothing new was compiled or captured since the last freeze. -> whether it froze."""
+    global _FROZEN_AT
+    mark = (new_keys, round(compile_seconds(), 6))
+    if mark == _FROZEN_AT:
+        return False
+    gc.collect()
+    gc.freeze()
+    _FROZEN_AT = mark
+    return True
 
 
 class StartupClock:
