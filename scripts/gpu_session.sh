@@ -3,9 +3,9 @@
 # device machine (10 minutes). Run from the repository root with the wheels in .whl/ (loguru,
 # flash-linear-attention, fla-core, prompt_toolkit, wcwidth) and, for the codepair groups, the
 # fixture as .fixture/codepair.tar.xz; outputs go to $OUT (default /tmp/ddtree-out).
-#   scripts/gpu_session.sh chat        # 27B shapes: chat TTFT table, memory plan at 32K
+#   scripts/gpu_session.sh chat        # 27B shapes: chat TTFT table, memory plan at 32K and 128K
 #   scripts/gpu_session.sh suite       # codepair: the GPU test suite
-#   scripts/gpu_session.sh auto        # codepair: --budget auto against the fixed methods; memory plan at 128K
+#   scripts/gpu_session.sh auto        # codepair: --budget auto against the fixed methods; start-up cold and warm
 #   scripts/gpu_session.sh verify      # 27B shapes: the fused GDN tree kernel at 33 / 65 nodes, the 1K engine with it
 set -u -o pipefail
 OUT=${OUT:-/tmp/ddtree-out}
@@ -27,8 +27,9 @@ step() {  # step SECONDS LOGNAME COMMAND...: one run, its output teed under $OUT
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 case "${1:-}" in
 chat)
-    step 300 chat.log python3 scripts/bench_chat.py --out "$OUT/chat-h200.json"
-    step 200 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-h200.json"
+    step 360 chat.log python3 scripts/bench_chat.py --out "$OUT/chat-h200.json"
+    step 150 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-h200.json"
+    step 200 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 131072 --out "$OUT/memory-plan-128k-h200.json"
     ;;
 suite)
     fixture
@@ -38,7 +39,9 @@ auto)
     fixture
     step 330 auto.log python3 scripts/bench_auto.py --fixture .fixture/codepair --out-dir "$OUT/auto"
     tar -czf "$OUT/auto.tar.gz" -C "$OUT" auto && rm -rf "$OUT/auto"
-    step 200 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 131072 --out "$OUT/memory-plan-128k-h200.json"
+    step 230 startup.log python3 scripts/bench_startup.py --codepair .fixture/codepair --cases generate,selftest \
+        --timeout 110 --logs "$OUT/startup-logs" --out "$OUT/startup-h200.json"
+    tar -czf "$OUT/startup-logs.tar.gz" -C "$OUT" startup-logs && rm -rf "$OUT/startup-logs"
     ;;
 verify)
     step 240 verify.log python3 scripts/bench_verify.py --parts core --nodes 33,65 --blocks --tiles --out "$OUT/verify-fused-33-65-h200.json"
