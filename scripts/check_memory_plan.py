@@ -134,15 +134,7 @@ def measure_build(raw_t, raw_d, devices, dtype, max_len):
         target, drafter = build_random_on_devices(raw_t, raw_d, devices, dtype, max_len)
     finally:
         TargetModel.allocate_state, TargetModel.prepare, DFlashDrafter.allocate_state = t_alloc, t_prep, d_alloc
-    # (the build allocates a little after the drafter's state: not the deferred context's). Cached
-    # blocks go back first: a cached block up to 1 MiB larger than a request is handed out whole
-    # (the allocator splits only larger remainders), and memory_allocated counts the whole block:
-    # 0.35 MB on this 3.3 MB row at 32K, allocator slack rather than the plan's
-    for g in gpus:
-        if _cuda(g):
-            with torch.cuda.device(g):
-                torch.cuda.empty_cache()
-    marks["built"] = snapshot(gpus)
+    marks["built"] = snapshot(gpus)  # (the build allocates a little after the drafter's state: not the deferred context's)
     deferred = DeferredContext(target.cfg.hidden_size * len(drafter.cfg.target_layer_ids), drafter.device, target.dtype)
     marks["deferred context"] = snapshot(gpus)
     seq = [("target weights", "start", "target weights"), ("target state", "target weights", "target state"),

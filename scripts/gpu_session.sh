@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/ddtree-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-export DDTREE_COMMIT=${DDTREE_COMMIT:-$(git rev-parse --short HEAD)}
+export DDTREE_COMMIT=${DDTREE_COMMIT:-$(git rev-parse --short HEAD)}  # the device copy's HEAD can lag: pass DDTREE_COMMIT=<hash> from here
 fixture() {
     [ -d .fixture/codepair ] || python3 -c "import tarfile; tarfile.open('.fixture/codepair.tar.xz').extractall('.fixture')"
     export DDTREE_FIXTURE=$PWD/.fixture/codepair

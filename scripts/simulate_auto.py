@@ -3,6 +3,8 @@
 
     python scripts/simulate_auto.py --record        # traces of the codepair drafters (CPU float32), then replay
     python scripts/simulate_auto.py                 # replay results/auto-traces-cpu.json.gz
+    python scripts/simulate_auto.py --bench DIR --out results/auto-sim-codepair-h200.json
+                                                    # at the costs of bench_auto.py's documents in DIR
 
 Traces: a greedy round that starts at position t of the target's greedy continuation g (root g[t])
 drafts the same block whatever came before it: the drafter's context is the target's tap rows of
@@ -189,6 +191,24 @@ def engine_costs(path: Path = ENGINE) -> dict[int, Costs]:
     return out
 
 
+def bench_costs(doc: dict) -> tuple[Costs, dict[str, float]]:
+    """Costs from a `ddtree bench` document with ar, dflash and ddtree 8 / 16 / 32 / 64 runs (as
+    scripts/bench_auto.py writes them): a round's ms is its run's decode time over its rounds, a
+    verify's its run's mean verify stage. -> (costs, decode tok/s per run as measured, auto's too)."""
+    runs, tok_s = {}, {}
+    for r in doc["runs"]:
+        name = r["method"] if r["method"] != "ddtree" else f"ddtree-{r.get('budget_setting') or r['budget']}"
+        a = r["aggregate"]
+        runs[name] = (a["decode_s"] * 1e3 / a["rounds"], a["stage_times_ms"]["verify"]["mean"])
+        tok_s[name] = a["decode_tok_s"]
+    verify = {1: runs["ar"][1], 16: runs["dflash"][1]}
+    rounds, beyond = {"dflash": runs["dflash"][0]}, {}
+    for b in FIXED_BUDGETS:
+        rd, v = runs[f"ddtree-{b}"]
+        verify[b + 1], rounds[f"ddtree-{b}"], beyond[b] = v, rd, rd - v
+    return Costs(runs["ar"][0], verify, rounds, beyond), tok_s
+
+
 def replay_fixed(trace: dict, name: str, costs: Costs, n: int) -> tuple[int, float]:
     """(tokens, ms) of a fixed method over the first n positions of one prompt's trace."""
     field = None if name == "ar" else "acc:chain" if name == "dflash" else f"acc:t{name.split('-')[1]}"
@@ -292,6 +312,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=192, help="positions per prompt")
     ap.add_argument("--traces", type=Path, default=TRACES)
     ap.add_argument("--costs", type=Path, default=ENGINE)
+    ap.add_argument("--bench", type=Path, default=None,
+                    help="replay at the costs of bench_auto.py's documents in this folder (codepair-<drafter>-<dtype>.json), "
+                         "each row beside what the live run measured")
+    ap.add_argument("--tokens-per-prompt", type=int, default=128, help="--bench: positions replayed per prompt (the bench's)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "auto-sim.json")
     args = ap.parse_args(argv)
     from loguru import logger
@@ -309,6 +333,8 @@ def main(argv=None) -> int:
         with gzip.open(args.traces, "wt") as f:
             f.write(json.dumps(doc, separators=(",", ":")))
     traces = json.loads(gzip.open(args.traces, "rt").read())
+    if args.bench:
+        return replay_bench(traces, args)
     costs = engine_costs(args.costs)
     result = {"traces": str(args.traces.relative_to(ROOT)) if args.traces.is_relative_to(ROOT) else str(args.traces),
               "costs": str(args.costs.relative_to(ROOT)) if args.costs.is_relative_to(ROOT) else str(args.costs),
@@ -325,6 +351,32 @@ def main(argv=None) -> int:
                             + [row["best_fixed"], f"{row['auto_vs_best']:.3f}",
                                ", ".join(f"{k}: {v}" for k, v in row["auto_arms"].items())]))
     args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def replay_bench(traces: dict, args) -> int:
+    """Every bench document in args.bench replayed: the simulation's tok/ms per method against the
+    live run's decode tok/s, auto's ratio to the best fixed method in both."""
+    rows = []
+    print("drafter  dtype  | simulated: " + "  ".join(FIXED) + "  auto  auto/best | live: auto  auto/best")
+    for path in sorted(args.bench.glob("codepair-*.json")):
+        stem = path.stem[len("codepair-"):]
+        name, dtype = stem.rsplit("-", 1)
+        if name not in traces["drafters"]:
+            continue
+        costs, live = bench_costs(json.loads(path.read_text()))
+        row = simulate([x["positions"] for x in traces["drafters"][name]], costs, n=args.tokens_per_prompt)
+        best_live = max((k for k in FIXED if k in live), key=live.get)
+        row.update(drafter=name, dtype=dtype, live_tok_s=live, live_best_fixed=best_live,
+                   live_auto_vs_best=live.get("ddtree-auto", 0.0) / live[best_live],
+                   costs={"ar": costs.ar, "verify": costs.verify, "rounds": costs.rounds, "beyond": costs.beyond})
+        rows.append(row)
+        tpm = row["tok_per_ms"]
+        print(f"{name} {dtype} | " + "  ".join(f"{tpm[k] * 1e3:.0f}" for k in list(FIXED) + ["auto"])
+              + f"  {row['auto_vs_best']:.3f} ({row['best_fixed']}) | {live.get('ddtree-auto', 0):.0f}  "
+              f"{row['live_auto_vs_best']:.3f} ({best_live})")
+    args.out.write_text(json.dumps({"traces": str(args.traces), "bench": str(args.bench), "rows": rows}, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
