@@ -110,7 +110,7 @@ def run_conversation(dec: Decoder, args, vocab: int, method: str, budget, turns:
         sync(dec.device)
         settle_ms = (time.perf_counter() - t0) * 1e3
         if full:
-            freeze_heap(dec.graphs.new_keys)
+            freeze_heap(dec.graphs)
         rows.append({"turn": n + 1, "prompt_tokens": len(ids), "reused": r.reused, "prefilled": r.prefilled,
                      "chat_ttft_ms": rec.ttft_s * 1e3, "decode_tok_s": rec.decode_tok_s, "ids": list(ids),
                      "full_gc_ms": gc_ms, "settle_prefilled": s.prefilled, "settle_ms": settle_ms})
@@ -194,7 +194,7 @@ def main():
     decode_rates(dec, end, args.method, budget, min(args.decode_tokens, 32), 1)
     print(f"warm-up {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     heap = heap_probe()
-    heap["froze"] = freeze_heap(dec.graphs.new_keys)
+    heap["froze"] = freeze_heap(dec.graphs)
     print(f"heap after the warm-up: {heap['tracked_objects']} tracked objects, a full collection "
           f"{heap['full_collection_ms']:.1f} ms (then frozen)", file=sys.stderr, flush=True)
 

@@ -192,7 +192,7 @@ class Chat:
                                   settle_s=time.perf_counter() - t0)
         logger.debug(f"settled at {len(ids)} tokens: {r.reused} kept, {r.prefilled} prefilled"
                      + (" (a boundary restored)" if r.restored else ""))
-        if freeze_heap(self.dec.graphs.new_keys):  # while the reply is read: no full collection inside a turn
+        if freeze_heap(self.dec.graphs):  # while the reply is read: no full collection inside a turn
             logger.debug("froze the heap after new compiled or captured work")
 
     # ---------------------------------------------------------------- /save, /load

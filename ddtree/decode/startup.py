@@ -45,26 +45,24 @@ def process_age_s() -> float | None:
         return None
 
 
-_FROZEN_AT: tuple | None = None  # (graph keys run, compile seconds) when the heap was last frozen
-
-
-def freeze_heap(new_keys: int) -> bool:
+def freeze_heap(graphs) -> bool:
     """Where a process keeps one decoder for good (ddtree chat, between turns): after compiling or
-    capturing (new_keys: GraphRunner.new_keys; torch's compile counter), one full collection, then
+    capturing (graphs: its GraphRunner, whose new_keys count; torch's compile counter), one full collection, then
     gc.freeze moves every surviving object into the collector's permanent generation.
     torch.compile and graph capture leave hundreds of thousands of long-lived objects (FX graphs,
     guards, sympy expressions, kernels); a full collection rescans all of them, and one that falls
     inside a launch-bound prefill (a chat turn's) holds it up for as long. Frozen objects are still
     freed by reference counting, but an object in a reference cycle (a Decoder and its graph
     runner) never is: so not where decoders come and go (tests, benches). Nothing happens when
-    nothing new was compiled or captured since the last freeze. -> whether it froze."""
-    global _FROZEN_AT
-    mark = (new_keys, round(compile_seconds(), 6))
-    if mark == _FROZEN_AT:
+    nothing new was compiled or captured since the runner's last freeze (`graphs.frozen_at`).
+    On the Qwen3.6-27B shapes after a chat's warm-up: about 950K objects, a full collection 498 ms
+    (scripts/bench_chat.py). -> whether it froze."""
+    mark = (graphs.new_keys, round(compile_seconds(), 6))
+    if getattr(graphs, "frozen_at", None) == mark:
         return False
     gc.collect()
     gc.freeze()
-    _FROZEN_AT = mark
+    graphs.frozen_at = mark
     return True
 
 

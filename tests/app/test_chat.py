@@ -100,7 +100,12 @@ def chat_then_generate(model_args: list, tmp_path: Path, extra: list = (), plain
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 def test_replies_equal_generate_on_the_fixture(method, tmp_path):
     skip_without_fixture()
+    import gc
+
+    gc.unfreeze()
     pairs, doc = chat_then_generate(fixture_model_args(method), tmp_path, plain=True)
+    froze, _ = gc.get_freeze_count(), gc.unfreeze()  # the first settle froze the heap (ddtree.decode.startup.freeze_heap)
+    assert froze > 0
     assert all(a == b for a, b in pairs), pairs
     assert doc["metadata"]["transcript"] == "plain"
     later = doc["turns"][1:]

@@ -120,3 +120,24 @@ def test_second_process_reuses_the_compile_cache(tmp_path):
     assert runs[0].get("fxgraph_cache_miss", 0) >= 1
     assert runs[1].get("fxgraph_cache_hit", 0) >= 1, runs
     assert (tmp_path / "ddtree" / "inductor").is_dir()
+
+
+def test_freeze_heap_freezes_after_new_work_only():
+    """The heap is frozen once per runner state (its keys run, the compile counter): again only
+    after something new was captured or compiled; a chat's settle calls it (ddtree.app.chat)."""
+    import gc
+    from types import SimpleNamespace
+
+    from ddtree.decode.startup import freeze_heap
+
+    runner = SimpleNamespace(new_keys=3)
+    gc.unfreeze()
+    try:
+        assert freeze_heap(runner) is True
+        assert gc.get_freeze_count() > 0
+        assert freeze_heap(runner) is False  # nothing new since
+        runner.new_keys += 1  # a capture
+        assert freeze_heap(runner) is True
+        assert freeze_heap(SimpleNamespace(new_keys=4)) is True  # another decoder's runner
+    finally:
+        gc.unfreeze()
