@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -25,7 +26,10 @@ _NAMES = {"capture": "graph capture"}
 
 
 def compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far (dynamo + inductor; 0 without the counter)."""
+    """Seconds this process has spent in torch.compile so far (dynamo + inductor; 0 without the counter,
+    and 0 before dynamo is imported: nothing compiled yet, and importing it costs seconds: ddtree.ops.eager)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0.0
     try:
         from torch._dynamo.utils import calculate_time_spent
     except Exception:  # pragma: no cover - a torch without the counter

@@ -18,7 +18,10 @@ import torch.nn.functional as F
 from ddtree.model.config import DrafterConfig
 from ddtree.model.layers import MLP, RMSNorm, _identity, apply_rope, compiled, fused, residual
 from ddtree.model.target import tree_attention
+from ddtree.ops.eager import eager_name
 from ddtree.ops.dispatch import REFERENCE
+
+eager_name(globals(), "tree_attention")  # this module's copy of the name: eager inside compiled layers too
 
 
 DEFERRED_ROWS = 64  # the most context rows --budget auto's plain steps defer (decode.budget.PLAIN_PROBE_MAX)

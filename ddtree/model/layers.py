@@ -4,9 +4,10 @@ weights, rotary embeddings, the residual add, and the torch.compile cache."""
 from __future__ import annotations
 
 import torch
-import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ddtree.ops import eager
 
 
 class RMSNorm(nn.Module):
@@ -119,6 +120,9 @@ def compiled(fn):
     twins (tests/test_compile.py, tests/test_gpu.py)."""
     c = _COMPILED.get(fn)
     if c is None:
+        import torch._dynamo  # here, not at import: ddtree.ops.eager
+
+        eager.apply()  # the functions compiled code calls eagerly, marked before the first trace
         cfg = torch._dynamo.config
         cfg.recompile_limit = max(cfg.recompile_limit, 64)  # headroom: other models in the process, drafter kv_len
         c = _COMPILED[fn] = torch.compile(fn, dynamic=None)

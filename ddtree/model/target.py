@@ -27,12 +27,12 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ddtree.ops import commit as commit_kernels
 from ddtree.ops import attention, fla, gdn, gdn_step, gdn_tree
+from ddtree.ops.eager import eager, eager_name
 from ddtree.ops.dispatch import REFERENCE, Kernels, resolve
 from ddtree.model.config import TargetConfig
 from ddtree.model.stages import Stage, StageHook, stages_of
@@ -355,13 +355,15 @@ class Chunk:
 
 
 # The kernel's grid comes from host ints (T, kv_len): it runs between compiled pieces.
-tree_attention = torch.compiler.disable(attention.tree_attention)
+tree_attention = attention.tree_attention
+eager_name(globals(), "tree_attention")
 # The prefill's own kernels (flash-class attention, fla's chunk recurrence) choose backends and
 # shapes on the host: compiled prefill layers run them eagerly between their fused pieces.
-chain_final = torch.compiler.disable(fla.chain_final)
+chain_final = fla.chain_final
+eager_name(globals(), "chain_final")
 
 
-@torch.compiler.disable
+@eager
 def cache_and_attend(attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Chunk) -> torch.Tensor:
     """A prefill chunk's K/V into the cache at its host offset c.start, then its attention over
     the prefix and itself. Eager, and handed the chunk whole, so that compiled prefill layers

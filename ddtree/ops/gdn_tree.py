@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.ops import triton_util
+from ddtree.ops.eager import eager
 from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, tl, triton
 from ddtree.ops.triton_util import tile as _tile
 
@@ -405,7 +406,7 @@ def _gdn_tree_fused_kernel(
         tl.debug_barrier()  # block b's k, c and U are read back by every later block
 
 
-@torch.compiler.disable
+@eager
 def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None,
                      block: int | None = None, root: bool | None = None):
     """gdn_tree by blocks of `block` nodes, for the trees the one-tile kernel does not take
@@ -448,7 +449,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     return o
 
 
-@torch.compiler.disable
+@eager
 def gdn_tree_fused(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
                    precision: str = "ieee", tiles=None, block: int = 16, root: bool | None = None):
     """gdn_prologue + gdn_tree_blocked in one kernel (_gdn_tree_fused_kernel): the tree verify of
@@ -476,7 +477,7 @@ def gdn_tree_fused(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.T
     return o
 
 
-@torch.compiler.disable
+@eager
 def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor):
     """GatedDeltaNet.qkvgb's q, k, v, g, beta for a tree from its projection in one kernel
     (_gdn_prologue_kernel), for the blocked recurrence (the one-tile kernel has it inside:
@@ -517,7 +518,7 @@ def fold_root(T: int, block: int = 16) -> bool:
     return T > 1 and (T - 1) % block == 0
 
 
-@torch.compiler.disable  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
+@eager  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
 def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None):
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
     channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
@@ -528,7 +529,7 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tile
     return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles)
 
 
-@torch.compiler.disable
+@eager
 def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
                       precision: str = "ieee", tiles=None):
     """The tree verify of GDN layer `layer` from its projection: the tree convolution + SiLU, q/k
