@@ -150,7 +150,8 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("profile_round.py needs a CUDA GPU")
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoTokenizer
+
+    from ddtree.app.setup import load_tokenizer
 
     dev = torch.device("cuda:0")
     if a.preset:
@@ -161,7 +162,7 @@ def main():
     else:
         target, _ = load_target(a.target, [dev], torch.bfloat16, 4096)
         drafter, _ = load_drafter(a.drafter, target, torch.bfloat16, 4096)
-        tok = AutoTokenizer.from_pretrained(a.target)
+        tok = load_tokenizer(Path(a.target))  # as ddtree tokenizes (the checkpoint's tokenizer.json)
         prompts = a.prompts or str(Path(a.target).parent / "prompts.jsonl")
         ids = tok(load_prompts(prompts)[0].text)["input_ids"][:512]
     dec = Decoder(target, drafter)

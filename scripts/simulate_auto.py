@@ -94,13 +94,12 @@ def position_trace(root: int, lp: np.ndarray, ids: np.ndarray, cont: list[int]) 
 @torch.no_grad()
 def record(fixture: Path, drafters: list[str], limit: int, tokens: int, log=print) -> dict:
     """{drafter: [{prompt, positions: {field: [per position]}}]} for the first `limit` prompts."""
-    from transformers import AutoTokenizer
-
+    from ddtree.app.setup import load_tokenizer
     from ddtree.decode.decoder import Decoder
     from ddtree.model.checkpoint import load_drafter, load_target
 
     prompts = [json.loads(x) for x in (fixture / "prompts.jsonl").read_text().splitlines() if x.strip()][:limit]
-    tok = AutoTokenizer.from_pretrained(str(fixture / "target"))
+    tok = load_tokenizer(fixture / "target")  # as `ddtree bench --raw` tokenizes (the checkpoint's tokenizer.json)
     encoded = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in prompts]
     D = 16  # the drafters' block less its root (checked below)
     max_len = -(-(max(map(len, encoded)) + tokens + 2 * D + 8) // 256) * 256
@@ -315,7 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", type=Path, default=None,
                     help="replay at the costs of bench_auto.py's documents in this folder (codepair-<drafter>-<dtype>.json), "
                          "each row beside what the live run measured")
-    ap.add_argument("--tokens-per-prompt", type=int, default=128, help="--bench: positions replayed per prompt (the bench's)")
+    ap.add_argument("--tokens-per-prompt", type=int, default=192,
+                    help="--bench: at most this many positions replayed per prompt (the bench's new tokens, if fewer)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "auto-sim.json")
     args = ap.parse_args(argv)
     from loguru import logger
@@ -365,10 +365,14 @@ def replay_bench(traces: dict, args) -> int:
         name, dtype = stem.rsplit("-", 1)
         if name not in traces["drafters"]:
             continue
-        costs, live = bench_costs(json.loads(path.read_text()))
-        row = simulate([x["positions"] for x in traces["drafters"][name]], costs, n=args.tokens_per_prompt)
+        doc = json.loads(path.read_text())
+        costs, live = bench_costs(doc)
+        ar = next(r for r in doc["runs"] if r["method"] == "ar")
+        prompts = ar["aggregate"]["num_prompts"]  # the bench's own prompts: the first ones of the traces
+        tokens = min(args.tokens_per_prompt, max(p["new_tokens"] for p in ar["prompts"]))
+        row = simulate([x["positions"] for x in traces["drafters"][name]][:prompts], costs, n=tokens)
         best_live = max((k for k in FIXED if k in live), key=live.get)
-        row.update(drafter=name, dtype=dtype, live_tok_s=live, live_best_fixed=best_live,
+        row.update(drafter=name, dtype=dtype, prompts=prompts, tokens=tokens, live_tok_s=live, live_best_fixed=best_live,
                    live_auto_vs_best=live.get("ddtree-auto", 0.0) / live[best_live],
                    costs={"ar": costs.ar, "verify": costs.verify, "rounds": costs.rounds, "beyond": costs.beyond})
         rows.append(row)

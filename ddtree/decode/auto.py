@@ -77,6 +77,13 @@ def calibrate(dec, start: int, greedy: bool, plain: bool = False) -> BudgetChoos
     return dec.chooser_class(cost, plain_ms=plain_ms if plain else None, memory=memory, draft_ms=draft_ms)
 
 
+def forget(dec) -> None:
+    """Drop what --budget auto has learnt on this decoder (every context bucket's calibration and
+    AutoMemory); the graphs it captured stay. `ddtree bench` calls it after its warm-up, so the
+    timed prompts start from what a fresh process knows, not from having seen them."""
+    dec._verify_cost.clear()
+
+
 def policy_for(dec, method: str, budget: int, k: int, chooser: BudgetChooser | None):
     """The pipeline's budget policy, or None where a round needs the host-tree loop (a fixed
     budget the device builder cannot fill: fewer rank prefixes than draft nodes)."""

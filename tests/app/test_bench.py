@@ -245,6 +245,48 @@ def test_warmup_prefills_every_prompt_length_for_every_method(monkeypatch, tmp_p
         assert {L for mm, L, n in warm if mm == m and n == 1} == lengths
 
 
+def test_auto_warms_up_on_every_prompt_then_forgets(monkeypatch, tmp_path, one_thread):
+    """--budget auto's first warm-up round goes over every prompt at full length (its graph keys
+    depend on its choices), and what it learnt there is dropped before the timed prompts: the
+    first timed auto generation calibrates afresh."""
+    if not have_fixture():
+        pytest.skip(FIXTURE_REASON)
+    import json
+
+    from ddtree.decode import auto as auto_budget
+    from ddtree.decode import decoder as decoding
+    from ddtree.app.bench import run_bench
+
+    src = [json.loads(line) for line in (FIXTURE_DIR / "prompts.jsonl").read_text().splitlines()[:3]]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": p["id"], "prompt": p["prompt"][: 30 * (i + 1)]}) + "\n"
+                               for i, p in enumerate(src)))
+    calls, fresh = [], []  # (method, budget, prompt length, max_new_tokens); calibrations that found no memory
+    real_gen, real_cal = decoding.Decoder.generate, auto_budget.calibrate
+
+    def spy(self, ids, *a, **k):
+        calls.append((k["method"], k["budget"], len(ids), k["max_new_tokens"]))
+        return real_gen(self, ids, *a, **k)
+
+    def cal(dec, start, greedy, plain=False):
+        fresh.append((len(calls), not dec._verify_cost))
+        return real_cal(dec, start, greedy, plain)
+
+    monkeypatch.setattr(decoding.Decoder, "generate", spy)
+    monkeypatch.setattr(auto_budget, "calibrate", cal)
+    n_new = 4
+    run_bench(FIXTURE_DIR / "target", FIXTURE_DIR / "drafter", str(prompts), methods="ar,ddtree", budgets="8,auto",
+              max_new_tokens=n_new, devices="cpu", dtype="float32", raw=True, warmup=1, out=None,
+              progress=False, print_table=False)
+    lengths = {L for *_, L, _ in calls}
+    assert len(lengths) == 3
+    warm, timed = calls[:-9], calls[-9:]  # timed: ar, ddtree 8, auto x 3 prompts
+    assert {L for m, b, L, n in warm if b == "auto" and n == n_new} == lengths  # auto: every prompt
+    assert len({L for m, b, L, n in warm if b == 8 and n == n_new}) == 2  # a fixed budget: shortest, longest
+    first_timed_auto = len(calls) - 2  # calls counted when the first timed auto generation calibrates
+    assert (first_timed_auto, True) in fresh, fresh  # it found no memory: the warm-up's was dropped
+
+
 # ------------------------------------------------------------------------------------------ --tp
 
 from app_helpers import tiny_pair_fixture  # noqa: E402
