@@ -194,10 +194,11 @@ def bench_costs(doc: dict) -> tuple[Costs, dict[str, float]]:
     """Costs from a `ddtree bench` document with ar, dflash and ddtree 8 / 16 / 32 / 64 runs (as
     scripts/bench_auto.py writes them): a round's ms is its run's decode time over its rounds, a
     verify's its run's mean verify stage. -> (costs, decode tok/s per run as measured, auto's too)."""
+    from scripts.bench_auto import label
+
     runs, tok_s = {}, {}
     for r in doc["runs"]:
-        name = r["method"] if r["method"] != "ddtree" else f"ddtree-{r.get('budget_setting') or r['budget']}"
-        a = r["aggregate"]
+        name, a = label(r), r["aggregate"]
         runs[name] = (a["decode_s"] * 1e3 / a["rounds"], a["stage_times_ms"]["verify"]["mean"])
         tok_s[name] = a["decode_tok_s"]
     verify = {1: runs["ar"][1], 16: runs["dflash"][1]}
@@ -206,6 +207,12 @@ def bench_costs(doc: dict) -> tuple[Costs, dict[str, float]]:
         rd, v = runs[f"ddtree-{b}"]
         verify[b + 1], rounds[f"ddtree-{b}"], beyond[b] = v, rd, rd - v
     return Costs(runs["ar"][0], verify, rounds, beyond), tok_s
+
+
+def shown(path: Path) -> str:
+    """path as the output files name it: relative to the repository where it lies inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def replay_fixed(trace: dict, name: str, costs: Costs, n: int) -> tuple[int, float]:
@@ -336,9 +343,7 @@ def main(argv=None) -> int:
     if args.bench:
         return replay_bench(traces, args)
     costs = engine_costs(args.costs)
-    result = {"traces": str(args.traces.relative_to(ROOT)) if args.traces.is_relative_to(ROOT) else str(args.traces),
-              "costs": str(args.costs.relative_to(ROOT)) if args.costs.is_relative_to(ROOT) else str(args.costs),
-              "rows": []}
+    result = {"traces": shown(args.traces), "costs": shown(args.costs), "rows": []}
     head = ["drafter", "context"] + list(FIXED) + ["auto", "best fixed", "auto / best", "auto's arms (0: plain)"]
     print("  ".join(head))
     for name, runs in traces["drafters"].items():
@@ -380,7 +385,7 @@ def replay_bench(traces: dict, args) -> int:
         print(f"{name} {dtype} | " + "  ".join(f"{tpm[k] * 1e3:.0f}" for k in list(FIXED) + ["auto"])
               + f"  {row['auto_vs_best']:.3f} ({row['best_fixed']}) | {live.get('ddtree-auto', 0):.0f}  "
               f"{row['live_auto_vs_best']:.3f} ({best_live})")
-    args.out.write_text(json.dumps({"traces": str(args.traces), "bench": str(args.bench), "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"traces": shown(args.traces), "bench": shown(args.bench), "rows": rows}, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

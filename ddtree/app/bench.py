@@ -116,8 +116,8 @@ def warmup_jobs(plan: list, encoded: list, warmup: int, n_new: int) -> list[tupl
 
     --budget auto's graph keys depend on what it chooses (the budgets, the builds, the prefix
     copies, its probes), so its first warm-up round goes over every prompt: otherwise its timed
-    prompts capture graphs the fixed methods captured in their warm-up (on the H200, 19 captures
-    of ~7.5 ms in 464 ms of timed decoding with the distilled codepair drafter in float32).
+    prompts capture graphs the fixed methods captured in their warm-up (19 captures in 464 ms of
+    timed decoding on the H200 with the distilled codepair drafter in float32).
     What auto learnt meanwhile is dropped before the timed prompts (forget_auto)."""
     if not warmup:
         return []
@@ -293,8 +293,8 @@ class _Bench:
             from ddtree.decode.auto import forget as forget_auto
 
             forget_auto(self.dec)  # the graphs stay; what auto learnt on these prompts goes
-            logger.debug(f"warm-up done ({warmup} round(s) over the shortest and longest prompts per run, "
-                         "then one prefill per prompt length and method)")
+            logger.debug(f"warm-up done ({warmup} round(s) over the shortest and longest prompts per run, every "
+                         "prompt for auto, then one prefill per prompt length and method)")
         for method, budget in self.plan:
             self.stage(f"running {_label(method, budget)}")
             records: list = []

@@ -48,7 +48,3 @@ def apply() -> None:
     for namespace, name in _MARKED:
         namespace[name] = _disable(namespace[name])
     _applied = True
-
-
-def applied() -> bool:
-    return _applied
