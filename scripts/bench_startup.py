@@ -8,6 +8,9 @@ Cases:
     (--codepair DIR, --drafter NAME): process wall time, and the summary line's time to first token
     and the start-up line (weights, compile, graph capture, prefill) that generate prints
   * selftest: `ddtree selftest`: process wall time
+  * phases: one fresh process that times the steps of the setup phase one after another (import
+    torch, CUDA's context, import transformers, the tokenizer, ddtree's model and decode modules,
+    the configs), then `python -X importtime` of the generate case with its 25 costliest imports
   * preset: random weights of --preset's exact shapes on the GPU, then Decoder.generate per method
     (--methods): from the weights in memory to the first token, and to the last (--tokens), which
     holds the compiles and the captures of the first generation of a process
@@ -44,6 +47,26 @@ def _dump():
     except Exception as e:
         print(f"probe: no counters ({e})", file=sys.stderr)
 atexit.register(_dump)
+"""
+
+PHASES_INNER = r"""
+import sys, time, json
+sys.path.insert(0, {root!r})
+from pathlib import Path
+marks = [("start", time.perf_counter())]
+def mark(name):
+    marks.append((name, time.perf_counter()))
+import torch; mark("import torch")
+if torch.cuda.is_available():
+    torch.zeros(1, device="cuda"); torch.cuda.synchronize(); mark("CUDA context")
+import transformers; mark("import transformers")
+from transformers import AutoTokenizer; mark("from transformers import AutoTokenizer")
+from ddtree.app import setup as S; mark("import ddtree.app.setup")
+tok = S.load_tokenizer(Path({target!r})); mark("load_tokenizer")
+import ddtree.decode.decoder; mark("import ddtree.decode.decoder")
+spec = S.inspect_models({target!r}, {drafter!r}, None, None, need_drafter=True); mark("inspect_models again")
+out = {{b[0]: round(b[1] - a[1], 3) for a, b in zip(marks, marks[1:])}}
+print("PHASES " + json.dumps(out), flush=True)
 """
 
 PRESET_INNER = r"""
@@ -102,6 +125,15 @@ def parse_generate(err: str) -> dict:
     return out
 
 
+def top_imports(err: str, n: int = 25) -> list:
+    """The n costliest imports (cumulative us) of a `python -X importtime` stderr."""
+    rows = []
+    for m in re.finditer(r"^import time:\s+(\d+) \|\s+(\d+) \| (.*)$", err, re.M):
+        rows.append((int(m.group(2)), m.group(3).rstrip()))
+    rows.sort(reverse=True)
+    return [f"{us / 1e6:.3f} s {name}" for us, name in rows[:n]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--codepair", type=Path, default=ROOT / ".fixture" / "codepair")
@@ -137,6 +169,12 @@ def main() -> None:
                             "-n", str(a.new_tokens), "-v", "def quicksort(xs):"]
             elif case == "selftest":
                 cmd = py + ["selftest", "-v"]
+            elif case == "phases":
+                cmd = [sys.executable, "-c", PHASES_INNER.format(root=str(ROOT), target=str(fx / "target"),
+                                                                 drafter=str(fx / a.drafter))]
+            elif case == "importtime":
+                cmd = [sys.executable, "-X", "importtime", "-m", "ddtree", "generate", "--target", str(fx / "target"),
+                       "--drafter", str(fx / a.drafter), "-n", "8", "def quicksort(xs):"]
             elif case == "preset":
                 code = PRESET_INNER.format(root=str(ROOT), preset=a.preset, ctx=a.context,
                                            methods=a.methods.split(","), tokens=a.tokens)
@@ -147,6 +185,12 @@ def main() -> None:
             row = {"case": case, "state": state, "wall_s": round(wall, 2), "rc": rc}
             if case == "generate":
                 row.update(parse_generate(err))
+            if case == "phases":
+                m = re.search(r"^PHASES (.*)$", out, re.M)
+                if m:
+                    row["phases"] = json.loads(m.group(1))
+            if case == "importtime":
+                row["top_imports"] = top_imports(err)
             if case == "preset":
                 m = re.search(r"^PRESET (.*)$", out, re.M)
                 if m:
