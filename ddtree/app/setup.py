@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -348,20 +349,26 @@ def _first_line(e: BaseException) -> str:
 
 
 def load_tokenizer(model_dir: Path):
-    """The target's tokenizer, tokenizing as the checkpoint's own tokenizer.json does.
+    """The target's tokenizer as its checkpoint ships it: tokenizer.json's pipeline with the special
+    tokens and chat template of tokenizer_config.json (transformers' PreTrainedTokenizerFast).
 
-    transformers may map a model type to a tokenizer class whose own pre-tokenizer splits text
-    differently from the tokenizer.json the model was trained with (transformers 5.24 maps every
-    qwen3_5 checkpoint to Qwen3_5Tokenizer); where the two disagree on a probe text the
-    tokenizer.json pipeline is used, with the special tokens and chat template of
-    tokenizer_config.json, and a warning says so."""
-    from transformers import AutoTokenizer
-
+    Not AutoTokenizer, where tokenizer.json exists: transformers may map a model type to a class
+    whose own pre-tokenizer splits text differently from the file the model was trained with
+    (5.24: every qwen3_5 checkpoint to Qwen3_5Tokenizer), and importing AutoTokenizer pulls in
+    transformers' model registry (torch.distributed.tensor, torch._dynamo, sklearn where it is
+    installed): 5.9 s of a fresh process on the H200 machine, more than torch's own import
+    (`scripts/bench_startup.py --cases phases`). A checkpoint without tokenizer.json (a
+    sentencepiece model only) goes through AutoTokenizer."""
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         raise DDTreeError(f"{model_dir} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
                           "copy them from the model's repository into that folder")
     try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        if (model_dir / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast as Loader
+        else:
+            from transformers import AutoTokenizer as Loader
+        with _quiet_transformers():
+            tok = Loader.from_pretrained(str(model_dir))
     except Exception as e:  # unreadable tokenizer files, unknown tokenizer class, ...
         raise DDTreeError(
             f"cannot load the tokenizer from {model_dir} ({type(e).__name__}: {_first_line(e)}): "
@@ -370,31 +377,21 @@ def load_tokenizer(model_dir: Path):
     if len(tok) == 0 or not tok.encode(TOKENIZER_PROBE, add_special_tokens=False):
         raise DDTreeError(f"the tokenizer in {model_dir} is empty (no vocabulary): copy the model's tokenizer files "
                           "(tokenizer.json, tokenizer_config.json) into that folder")
-    return _as_shipped(tok, model_dir)
+    return tok
 
 
-def _as_shipped(tok, model_dir: Path):
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        return tok
-    from tokenizers import Tokenizer
+@contextmanager
+def _quiet_transformers():
+    """transformers' logger warns when tokenizer_config.json names another class than the one
+    loading it (tokenizer_class: Qwen2Tokenizer): here that is the point, not news."""
+    from transformers.utils import logging as hf_logging
 
-    want = Tokenizer.from_file(str(path)).encode(TOKENIZER_PROBE, add_special_tokens=False).ids
-    if tok.encode(TOKENIZER_PROBE, add_special_tokens=False) == want:
-        return tok
-    import transformers
-    from transformers import PreTrainedTokenizerFast
-
-    fast = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    if fast.encode(TOKENIZER_PROBE, add_special_tokens=False) != want:  # not seen: keep what transformers chose
-        notice(f"{type(tok).__name__} tokenizes differently from {path}, and so does a tokenizer built from "
-               "that file: using transformers' choice")
-        return tok
-    if not getattr(fast, "chat_template", None) and getattr(tok, "chat_template", None):
-        fast.chat_template = tok.chat_template
-    notice(f"transformers {transformers.__version__} loads this target's tokenizer as {type(tok).__name__}, "
-           f"which splits text differently from the checkpoint's tokenizer.json: tokenizing with tokenizer.json")
-    return fast
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def stop_token_ids(model_dir: Path, tokenizer: Any, cfg: Any) -> frozenset:
