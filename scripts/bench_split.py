@@ -66,7 +66,7 @@ def free() -> float:
     return torch.cuda.memory_allocated() / 2**30
 
 
-def bench(preset: str, devices: list[str], ctx: int, tokens: int) -> dict:
+def bench(preset: str, devices: list[str], ctx: int, tokens: int, eager: bool = True) -> dict:
     mk_t, mk_d = PRESETS[preset]
     raw_t, raw_d = mk_t(), mk_d()
     prompt = torch.randint(10, 1000, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -86,11 +86,12 @@ def bench(preset: str, devices: list[str], ctx: int, tokens: int) -> dict:
             dec = Decoder(target, drafter, use_graphs=True)  # the graph segments (a split's default on CUDA)
             assert dec.use_graphs and dec.split, "the split should run graphed segments"
             res["split graphed"] = dict(measure(dec, prompt, tokens), graphs=True, stages=stages)
-            del dec
-            free()  # its graphs
-            log("  the eager split (its twin):")
-            dec = Decoder(target, drafter, use_graphs=False)
-            res["split eager"] = dict(measure(dec, prompt, tokens), graphs=False, stages=stages)
+            if eager:
+                del dec
+                free()  # its graphs
+                log("  the eager split (its twin):")
+                dec = Decoder(target, drafter, use_graphs=False)
+                res["split eager"] = dict(measure(dec, prompt, tokens), graphs=False, stages=stages)
         del dec, target, drafter
         left = free()
         log(f"  freed: {left:.1f} GiB still allocated")
@@ -135,6 +136,7 @@ def main():
     ap.add_argument("--devices", default="cuda:0,cuda:0", help="the split's stages (repeats: stages on one GPU)")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=48, help="new tokens per timed generation")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager split's timing (its exactness still runs)")
     ap.add_argument("--no-exactness", action="store_true", help="skip the float32 token-equality check")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
@@ -152,7 +154,7 @@ def main():
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(out, indent=2))
 
-    out["results"] = bench(a.preset, devices, a.ctx, a.tokens)
+    out["results"] = bench(a.preset, devices, a.ctx, a.tokens, eager=not a.no_eager)
     save()
     if not a.no_exactness:
         log("float32 exactness on a tiny pair")

@@ -9,6 +9,7 @@
 #   scripts/gpu_session.sh verify      # 27B shapes: the fused GDN tree kernel at 33 / 65 nodes, the 1K engine with it
 #   scripts/gpu_session.sh imports     # codepair: the setup phase step by step and python -X importtime, three fresh processes
 #   scripts/gpu_session.sh split       # 27B shapes: two stages on one GPU (the graphed split, the default) against one
+#                                      # (SPLIT_ARGS=--no-eager: without the eager twin's timing)
 set -u -o pipefail
 OUT=${OUT:-/tmp/ddtree-out}
 mkdir -p "$OUT"
@@ -56,7 +57,7 @@ imports)
         --states first,second,third --logs "$OUT/imports-logs" --out "$OUT/startup-imports-h200.json"
     ;;
 split)
-    step 500 split.log python3 scripts/bench_split.py --out "$OUT/split-h200.json"
+    step 500 split.log python3 scripts/bench_split.py ${SPLIT_ARGS:-} --out "$OUT/split-h200.json"
     ;;
 *)
     echo "error: name a group: chat, suite, auto, imports, verify or split" >&2
