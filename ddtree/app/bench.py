@@ -118,7 +118,8 @@ def warmup_jobs(plan: list, encoded: list, warmup: int, n_new: int) -> list[tupl
     copies, its probes), so its first warm-up round goes over every prompt: otherwise its timed
     prompts capture graphs the fixed methods captured in their warm-up (19 captures in 464 ms of
     timed decoding on the H200 with the distilled codepair drafter in float32).
-    What auto learnt meanwhile is dropped before the timed prompts (forget_auto)."""
+    Where rounds are graphed, settle_auto then repeats that pass until one captures nothing new;
+    what auto learnt meanwhile is dropped before the timed prompts (auto.forget)."""
     if not warmup:
         return []
     by_len = sorted(encoded, key=lambda e: len(e[1]))
@@ -133,6 +134,37 @@ def warmup_jobs(plan: list, encoded: list, warmup: int, n_new: int) -> list[tupl
         for p, ids in {len(ids): (p, ids) for p, ids in encoded}.values():
             jobs.append((method, budget, p, ids, 1))
     return jobs
+
+
+AUTO_SETTLE_PASSES = 3  # most extra warm-up passes of --budget auto over every prompt
+
+
+def settle_auto(dec, gen, plan: list, encoded: list, n_new: int, passes: int = AUTO_SETTLE_PASSES) -> int:
+    """Warm --budget auto up until a pass over every prompt captures or compiles nothing new.
+
+    Its choices follow round times, and round times jitter: a pass from the same forgotten start
+    can choose another build and meet a graph key the pass before did not (on the H200, one
+    drafter's timed prompts captured 8 pieces, one of them 2.1 s for a new drafter top-k, after a
+    first warm-up pass over every prompt). Each pass starts from what a fresh process knows
+    (auto.forget), as the timed prompts do; at most `passes` of them, after warmup_jobs' own.
+    gen(method, budget, ids, prompt_id, n_new) runs one generation. -> the passes run."""
+    from ddtree.decode.auto import forget
+
+    graphs = getattr(dec, "graphs", None)
+    runs = [(m, b) for m, b in plan if b == "auto"]
+    done = 0
+    if runs and graphs is not None and getattr(dec, "use_graphs", False):
+        for method, budget in runs:
+            for _ in range(passes):
+                forget(dec)
+                before = graphs.new_keys
+                for p, ids in encoded:
+                    gen(method, budget, ids, p.id, n_new)
+                done += 1
+                if graphs.new_keys == before:
+                    break
+    forget(dec)  # the graphs stay; what auto learnt on these prompts goes
+    return done
 
 
 def run_bench(
@@ -290,11 +322,10 @@ class _Bench:
             self.stage("warming up")
             for method, budget, p, ids, n_new in jobs:
                 gen(method, budget, ids, p.id, n_new)
-            from ddtree.decode.auto import forget as forget_auto
-
-            forget_auto(self.dec)  # the graphs stay; what auto learnt on these prompts goes
+            settled = settle_auto(self.dec, gen, self.plan, self.encoded, self.max_new)
             logger.debug(f"warm-up done ({warmup} round(s) over the shortest and longest prompts per run, every "
-                         "prompt for auto, then one prefill per prompt length and method)")
+                         f"prompt for auto and {settled} more pass(es) until one captured nothing, then one prefill "
+                         "per prompt length and method)")
         for method, budget in self.plan:
             self.stage(f"running {_label(method, budget)}")
             records: list = []

@@ -287,6 +287,44 @@ def test_auto_warms_up_on_every_prompt_then_forgets(monkeypatch, tmp_path, one_t
     assert (first_timed_auto, True) in fresh, fresh  # it found no memory: the warm-up's was dropped
 
 
+def test_settle_auto_repeats_passes_until_nothing_new(monkeypatch):
+    """Where rounds are graphed, --budget auto's warm-up repeats a pass over every prompt (each from
+    a forgotten start) until one captures nothing new, at most AUTO_SETTLE_PASSES of them; then
+    forgets. Fixed methods and ungraphed decoders get no extra pass."""
+    from types import SimpleNamespace
+
+    from ddtree.app import bench as B
+    from ddtree.decode import auto as auto_budget
+
+    forgets = []
+    monkeypatch.setattr(auto_budget, "forget", lambda dec: forgets.append(dec.graphs.new_keys))
+    encoded = [(SimpleNamespace(id=f"p{i}"), [1] * (i + 3)) for i in range(3)]
+
+    def run(new_per_pass: list[int], use_graphs=True, plan=(("ddtree", 8), ("ddtree", "auto"))):
+        dec = SimpleNamespace(use_graphs=use_graphs, graphs=SimpleNamespace(new_keys=0))
+        calls = []
+
+        def gen(method, budget, ids, pid, n_new):
+            calls.append((method, budget, pid, n_new))
+            if len(calls) % len(encoded) == 0:  # the end of a pass: its captures
+                n = len(calls) // len(encoded) - 1
+                dec.graphs.new_keys += new_per_pass[n] if n < len(new_per_pass) else 0
+
+        forgets.clear()
+        done = B.settle_auto(dec, gen, list(plan), encoded, 5)
+        return done, calls
+
+    done, calls = run([4, 1, 0, 0])
+    assert done == 3 and len(calls) == 9  # two passes captured, the third did not
+    assert {(m, b, n) for m, b, _, n in calls} == {("ddtree", "auto", 5)}
+    assert [pid for _, _, pid, _ in calls[:3]] == ["p0", "p1", "p2"]
+    assert len(forgets) == 4  # before each pass, and after the last
+    done, calls = run([1, 1, 1, 1, 1])
+    assert done == B.AUTO_SETTLE_PASSES and len(calls) == 3 * B.AUTO_SETTLE_PASSES
+    assert run([3], use_graphs=False) == (0, []) and forgets == [0]
+    assert run([3], plan=(("ar", None), ("ddtree", 8)))[0] == 0
+
+
 # ------------------------------------------------------------------------------------------ --tp
 
 from app_helpers import tiny_pair_fixture  # noqa: E402
