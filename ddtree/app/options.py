@@ -139,6 +139,10 @@ OPTIONS: tuple[Opt, ...] = (
         default_doc="--thinking", negative="--no-thinking"),
     Opt("top1_first", ("--top1-first",), bool, LOADS, "Put the drafter's top-1 chain in the tree first, then grow best-first",
         default=False, negative="--no-top1-first"),
+    Opt("compiled", ("--compiled",), bool, (SELFTEST,),
+        "Also run the layers through torch.compile, as generate does on a GPU (the eager layers are the default: the "
+        "check is the pipeline's exactness, and compiling costs more than the decoding; the first compile on a "
+        "machine takes about a minute)", default=False, negative="--no-compiled"),
     Opt("tp", ("--tp",), int, MODEL, "Tensor parallelism: shard the target over N ranks (NCCL on GPUs, gloo on CPU)",
         default=1, metavar="N", min=1),
     Opt("system", ("--system",), str, (CHAT,),

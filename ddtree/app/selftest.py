@@ -1,6 +1,8 @@
 """``ddtree selftest``: a tiny random Qwen3.6-style hybrid pair, decoded with ``ar``, ``dflash`` and
 ``ddtree`` (budgets 4 and 32) on one random prompt; every greedy output must equal ``ar``'s.
-No download; a few seconds."""
+No download; a few seconds. The layers run eagerly unless ``--compiled`` (on a GPU the rounds are
+still graphed and the Triton kernels run: what the check is about); the GPU tests cover the compiled
+layers against the eager ones."""
 
 from __future__ import annotations
 
@@ -31,25 +33,29 @@ def run_selftest(opts: dict, stage: Callable[[str], None]) -> None:
     if dev.type == "cpu":
         torch.set_num_threads(1)  # a tiny model: more threads only add synchronisation
     try:
-        _selftest(dev, n_new, stage, options)
+        _selftest(dev, n_new, stage, options, compiled=bool(opts.get("compiled")))
     finally:
         torch.set_num_threads(threads)
 
 
-def _selftest(dev, n_new: int, stage: Callable[[str], None], options=None) -> None:
+def _selftest(dev, n_new: int, stage: Callable[[str], None], options=None, compiled: bool = False) -> None:
     import torch
 
     from ddtree.decode.random_pair import build_random_pair
     from ddtree.stats import aggregate
 
+    from ddtree.options import Options
+
+    options = options or Options.from_env()
     t0 = time.perf_counter()
     vocab, n_prompt = 24, 20  # a small vocabulary: random drafts are accepted often enough to exercise long paths
     decoder, _ = build_random_pair("hybrid", seed=0, dtype=torch.float32, device=dev,
                                    max_len=n_prompt + n_new + LENGTH_SLACK + 33, vocab=vocab, layers=SELFTEST_LAYERS,
-                                   options=options)
+                                   options=options if compiled else options.replace(compile=False))
     gen = torch.Generator().manual_seed(1234)
     prompt = torch.randint(2, vocab, (n_prompt,), generator=gen).tolist()
-    switches = " ".join(f"{k}={v}" for k, v in decoder.options.changed().items())
+    # the environment's switches (the eager layers are --compiled's doing, said below)
+    switches = " ".join(f"{k}={v}" for k, v in options.changed().items())
     print(f"selftest: tiny random Qwen3.6-style hybrid (8 layers: 3 Gated DeltaNet + 1 gated attention, x2; "
           f"vocab {vocab}) + 1-layer DFlash drafter (block {decoder.block_size}), {dev}, float32, "
           f"{n_prompt}-token prompt, {n_new} new tokens, greedy" + (f"; switches {switches}" if switches else ""),

@@ -82,6 +82,26 @@ def test_selftest_takes_the_switches(monkeypatch, capsys):
     assert "switches DDTREE_ATTENTION=sdpa DDTREE_HOST_ROUNDS=1" in out and "selftest passed" in out
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_selftest_layers_eager_unless_compiled(monkeypatch, compiled):
+    """`ddtree selftest` builds its pair with the eager layers (no torch.compile: on a GPU that costs
+    more than the decoding) unless --compiled; the environment's other switches stay."""
+    import ddtree.decode.random_pair as random_pair
+    from ddtree.app.selftest import run_selftest
+
+    seen = []
+    real = random_pair.build_random_pair
+
+    def spy(*a, **kw):
+        seen.append(kw.get("options"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(random_pair, "build_random_pair", spy)
+    monkeypatch.setenv("DDTREE_ATTENTION", "sdpa")
+    run_selftest({"devices": "cpu", "max_new_tokens": 8, "compiled": compiled}, lambda s: None)
+    assert seen[0].compile is compiled and seen[0].attention == "sdpa"
+
+
 def test_selftest_bad_switch_is_one_error_line(monkeypatch):
     monkeypatch.setenv("DDTREE_ATTENTION", "flash")
     r = invoke("selftest", "--devices", "cpu")

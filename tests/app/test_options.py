@@ -22,7 +22,7 @@ EXAMPLES = {
     "top_k": 5, "seed": 11, "dtype": "float16", "devices": "cpu", "max_length": 999, "raw": True, "thinking": False,
     "top1_first": True, "tp": 2, "stats_json": "s.json", "jsonl": True, "warmup": 0, "out": "r.json",
     "verbose": True, "gpu_memory": "2x48GiB", "attention": "math", "prompt_tokens": 4096, "system": "be brief",
-    "chat": True,
+    "chat": True, "compiled": True,
 }
 
 
