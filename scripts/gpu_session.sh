@@ -40,9 +40,9 @@ suite)
     ;;
 auto)
     fixture
-    step 330 auto.log python3 scripts/bench_auto.py --fixture .fixture/codepair --out-dir "$OUT/auto"
+    step 380 auto.log python3 scripts/bench_auto.py --fixture .fixture/codepair --out-dir "$OUT/auto"
     tar -czf "$OUT/auto.tar.gz" -C "$OUT" auto && rm -rf "$OUT/auto"
-    step 230 startup.log python3 scripts/bench_startup.py --codepair .fixture/codepair --cases generate,selftest \
+    step 200 startup.log python3 scripts/bench_startup.py --codepair .fixture/codepair --cases generate,selftest \
         --timeout 110 --logs "$OUT/startup-logs" --out "$OUT/startup-h200.json"
     tar -czf "$OUT/startup-logs.tar.gz" -C "$OUT" startup-logs && rm -rf "$OUT/startup-logs"
     ;;
