@@ -50,10 +50,18 @@ def write_tiny_pair(root: Path) -> tuple[Path, Path]:
     return tdir, ddir
 
 
+def sigint_default() -> None:
+    """Popen's preexec_fn: the child takes SIGINT as from a terminal. A suite started as a
+    background job of a non-interactive shell (`pytest &`) runs with SIGINT ignored, and its
+    children inherit that: Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_when(args: list[str], ready, timeout: float = 120):
     """Run `python -m ddtree ARGS`, send SIGINT once ready(stderr so far) is true; returns
     (returncode, stdout, stderr). stderr is read as it comes (progress bars end lines with \\r)."""
     proc = subprocess.Popen([sys.executable, "-m", "ddtree", *map(str, args)], cwd=str(REPO), env=cli_env(),
+                            preexec_fn=sigint_default,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     err = bytearray()
     out = bytearray()

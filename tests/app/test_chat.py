@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from app_helpers import write_tiny_pair
+from app_helpers import sigint_default, write_tiny_pair
 from conftest import FIXTURE_DIR, REPO, cli_env, skip_without_fixture
 from ddtree.app.cli import app
 
@@ -242,7 +242,7 @@ def test_the_same_session_through_a_pipe(tmp_path):
     /save, end of input: exit status 0; stdout holds only the replies."""
     skip_without_fixture()
     saved = tmp_path / "c.json"
-    proc = subprocess.Popen(chat_command(), cwd=str(REPO), env=cli_env(), stdin=subprocess.PIPE,
+    proc = subprocess.Popen(chat_command(), cwd=str(REPO), env=cli_env(), stdin=subprocess.PIPE, preexec_fn=sigint_default,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = bytearray(), bytearray()
 
