@@ -32,6 +32,7 @@ import argparse
 import gzip
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -192,14 +193,18 @@ def engine_costs(path: Path = ENGINE) -> dict[int, Costs]:
 
 def bench_costs(doc: dict) -> tuple[Costs, dict[str, float]]:
     """Costs from a `ddtree bench` document with ar, dflash and ddtree 8 / 16 / 32 / 64 runs (as
-    scripts/bench_auto.py writes them): a round's ms is its run's decode time over its rounds, a
-    verify's its run's mean verify stage. -> (costs, decode tok/s per run as measured, auto's too)."""
+    scripts/bench_auto.py writes them): a round's ms is the median over its prompts of each
+    prompt's decode time over its rounds, a verify's the median of its rounds' verify stages, so one
+    graph capture in a timed prompt (334 ms in one run's dflash, doubling its mean round) does not
+    price the method. -> (costs, decode tok/s per run as measured, auto's too)."""
     from scripts.bench_auto import label
 
     runs, tok_s = {}, {}
     for r in doc["runs"]:
         name, a = label(r), r["aggregate"]
-        runs[name] = (a["decode_s"] * 1e3 / a["rounds"], a["stage_times_ms"]["verify"]["mean"])
+        per_prompt = [p["decode_s"] * 1e3 / p["num_rounds"] for p in r["prompts"] if p["num_rounds"]]
+        verify = [ms for p in r["prompts"] for ms in p["rounds"]["times_ms"]["verify"]]
+        runs[name] = (statistics.median(per_prompt), statistics.median(verify))
         tok_s[name] = a["decode_tok_s"]
     verify = {1: runs["ar"][1], 16: runs["dflash"][1]}
     rounds, beyond = {"dflash": runs["dflash"][0]}, {}

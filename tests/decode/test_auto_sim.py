@@ -100,22 +100,28 @@ def test_auto_trails_a_chain_that_beats_every_tree():
 
 
 def test_bench_costs_read_a_bench_document():
-    """scripts/simulate_auto.py --bench: a round's cost is its run's decode time over its rounds, a
-    verify's the run's mean verify stage, a tree's rest the difference; tok/s as measured."""
+    """scripts/simulate_auto.py --bench: a round's cost is the median over a run's prompts of decode
+    time over rounds, a verify's the median of its rounds' verify stages, a tree's rest the
+    difference; one prompt that captured a graph (a slow round) moves neither; tok/s as measured."""
     from scripts.simulate_auto import bench_costs
 
-    def run(method, budget, rounds, decode_s, verify_ms, tok_s, setting=None):
-        return {"method": method, "budget": budget, "budget_setting": setting,
-                "aggregate": {"rounds": rounds, "decode_s": decode_s, "decode_tok_s": tok_s,
-                              "stage_times_ms": {"verify": {"mean": verify_ms}}}}
+    def run(method, budget, round_ms, verify_ms, tok_s, setting=None, stalled=False):
+        prompts = []
+        for i in range(5):  # 10 rounds each; the last prompt's first round captured (+300 ms) if stalled
+            slow = stalled and i == 4
+            verify = [verify_ms + (300.0 if slow and j == 0 else 0.0) for j in range(10)]
+            prompts.append({"num_rounds": 10, "decode_s": (10 * round_ms + (300.0 if slow else 0.0)) / 1e3,
+                            "rounds": {"times_ms": {"verify": verify}}})
+        return {"method": method, "budget": budget, "budget_setting": setting, "prompts": prompts,
+                "aggregate": {"decode_tok_s": tok_s}}
 
-    doc = {"runs": [run("ar", None, 100, 0.04, 0.3, 2500.0), run("dflash", None, 50, 0.045, 0.6, 2200.0)]
-           + [run("ddtree", b, 40, 0.04 + b * 1e-4, 0.5 + b / 100, 2400.0 + b) for b in (8, 16, 32, 64)]
-           + [run("ddtree", 64, 60, 0.05, 0.4, 2100.0, setting="auto")]}
+    doc = {"runs": [run("ar", None, 0.4, 0.3, 2500.0), run("dflash", None, 0.9, 0.6, 2200.0, stalled=True)]
+           + [run("ddtree", b, 1.0 + b / 100, 0.5 + b / 100, 2400.0 + b) for b in (8, 16, 32, 64)]
+           + [run("ddtree", 64, 0.8, 0.4, 2100.0, setting="auto")]}
     costs, live = bench_costs(doc)
     assert costs.ar == pytest.approx(0.4)
     assert costs.verify == pytest.approx({1: 0.3, 16: 0.6, 9: 0.58, 17: 0.66, 33: 0.82, 65: 1.14})
-    assert costs.rounds["dflash"] == pytest.approx(0.9)
-    assert costs.rounds["ddtree-32"] == pytest.approx((0.04 + 32e-4) * 1e3 / 40)
-    assert costs.beyond[32] == pytest.approx(costs.rounds["ddtree-32"] - 0.82)
+    assert costs.rounds["dflash"] == pytest.approx(0.9)  # the stalled prompt's 30.9 ms a round is not the median
+    assert costs.rounds["ddtree-32"] == pytest.approx(1.32)
+    assert costs.beyond[32] == pytest.approx(1.32 - 0.82)
     assert live["ddtree-auto"] == 2100.0 and live["ddtree-8"] == 2408.0
