@@ -328,6 +328,9 @@ def main(argv=None) -> int:
                          "each row beside what the live run measured")
     ap.add_argument("--tokens-per-prompt", type=int, default=192,
                     help="--bench: at most this many positions replayed per prompt (the bench's new tokens, if fewer)")
+    ap.add_argument("--check-live", action="store_true",
+                    help="decode the first --limit prompts with --budget auto (CPU float32) and check every tree "
+                         "round's accepted draft tokens against the traces at its position; writes nothing")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "auto-sim.json")
     args = ap.parse_args(argv)
     from loguru import logger
@@ -345,6 +348,8 @@ def main(argv=None) -> int:
         with gzip.open(args.traces, "wt") as f:
             f.write(json.dumps(doc, separators=(",", ":")))
     traces = json.loads(gzip.open(args.traces, "rt").read())
+    if args.check_live:
+        return check_live(traces, args.fixture, args.limit, min(args.tokens, traces["tokens"]))
     if args.bench:
         return replay_bench(traces, args)
     costs = engine_costs(args.costs)
@@ -363,6 +368,41 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+@torch.no_grad()
+def check_live(traces: dict, fixture: Path, limit: int, tokens: int) -> int:
+    """The replay's premise, checked: a live --budget auto generation (CPU float32, the device
+    pipeline with its plain steps, deferred context rows and prefix copies) accepts in each tree
+    round exactly what the trace says the same tree accepts at that position. -> 1 on a mismatch."""
+    from ddtree.app.setup import load_tokenizer
+    from ddtree.decode.decoder import Decoder
+    from ddtree.model.checkpoint import load_drafter, load_target
+
+    torch.set_num_threads(1)
+    prompts = [json.loads(x) for x in (fixture / "prompts.jsonl").read_text().splitlines() if x.strip()][:limit]
+    tok = load_tokenizer(fixture / "target")
+    target, _ = load_target(str(fixture / "target"), [torch.device("cpu")], torch.float32, 1024)
+    checked = wrong = 0
+    for name, runs in traces["drafters"].items():
+        drafter, _ = load_drafter(str(fixture / name), target, torch.float32, 1024)
+        dec = Decoder(target, drafter)
+        by_prompt = {r["prompt"]: r["positions"] for r in runs}
+        for p in prompts:
+            ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
+            rec = dec.generate(ids, "ddtree", budget="auto", max_new_tokens=tokens)
+            pos, t, n, bad = by_prompt[p["id"]], 0, 0, []
+            for r in rec.rounds:  # a round's root is the continuation's token t
+                if r.tree_size:
+                    n += 1
+                    if pos[f"acc:a{r.tree_size}"][t] != r.accepted:
+                        bad.append((t, r.tree_size, pos[f"acc:a{r.tree_size}"][t], r.accepted))
+                t += r.accepted + 1
+            checked, wrong = checked + n, wrong + len(bad)
+            print(f"{name} {p['id']}: {n} tree rounds of {len(rec.rounds)}, "
+                  + (f"mismatched (position, budget, traced, live): {bad[:5]}" if bad else "each as traced"))
+    print(f"{checked} tree rounds checked, {wrong} mismatched")
+    return 1 if wrong else 0
 
 
 def replay_bench(traces: dict, args) -> int:
