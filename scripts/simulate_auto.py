@@ -5,6 +5,8 @@
     python scripts/simulate_auto.py                 # replay results/auto-traces-cpu.json.gz
     python scripts/simulate_auto.py --bench DIR --out results/auto-sim-codepair-h200.json
                                                     # at the costs of bench_auto.py's documents in DIR
+    python scripts/simulate_auto.py --check-live --limit 4 --tokens 128
+                                                    # live auto (CPU float32) against the traces, round by round
 
 Traces: a greedy round that starts at position t of the target's greedy continuation g (root g[t])
 drafts the same block whatever came before it: the drafter's context is the target's tap rows of
