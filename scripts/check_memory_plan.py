@@ -5,7 +5,9 @@ ddtree.model.placement's plan, per GPU:
 
 * exact components (target weights, the fp32 constants prepare() derives, the target's state,
   drafter weights, drafter state, --budget auto's DeferredContext) as torch.cuda.memory_allocated
-  deltas: they must come within 5% (they should be 1.000);
+  deltas: they must come within 5% (they should be 1.000); the DeferredContext also as the bytes
+  its tensors requested (`requested_bytes`), since the allocator may hand a few-MB request a cached
+  block up to 1 MB larger, unsplit;
 * unless --no-activations, the estimated phases as torch.cuda.max_memory_allocated deltas over
   what is allocated before each: a real prefill of --prompt-tokens (Decoder.prefill's path:
   TargetModel.prefill in the chunks TargetModel.prefill_chunk picks from the free memory now,
@@ -79,6 +81,12 @@ def snapshot(gpus) -> dict[str, int]:
     return {g: torch.cuda.memory_allocated(g) if _cuda(g) else 0 for g in gpus}
 
 
+def requested(gpus) -> dict[str, int]:
+    """Bytes the live tensors asked for per device now: memory_allocated counts whole allocator
+    blocks, and a cached free block less than 1 MB larger than a request is handed out unsplit."""
+    return {g: torch.cuda.memory_stats(g).get("requested_bytes.all.current", 0) if _cuda(g) else 0 for g in gpus}
+
+
 def planned_components(cfg, dcfg, split, wl) -> dict[str, dict[str, int]]:
     """The exact components per GPU from ddtree.model.memory (the split's stages)."""
     dt, out = wl.dtype, {}
@@ -135,13 +143,17 @@ def measure_build(raw_t, raw_d, devices, dtype, max_len):
     finally:
         TargetModel.allocate_state, TargetModel.prepare, DFlashDrafter.allocate_state = t_alloc, t_prep, d_alloc
     marks["built"] = snapshot(gpus)  # (the build allocates a little after the drafter's state: not the deferred context's)
+    asked = requested(gpus)
     deferred = DeferredContext(target.cfg.hidden_size * len(drafter.cfg.target_layer_ids), drafter.device, target.dtype)
     marks["deferred context"] = snapshot(gpus)
+    asked = {g: n - asked[g] for g, n in requested(gpus).items()}
     seq = [("target weights", "start", "target weights"), ("target state", "target weights", "target state"),
            ("derived fp32", "target state", "target state+derived"),
            ("drafter weights", "target state+derived", "drafter weights"), ("drafter state", "drafter weights", "drafter state"),
            ("deferred context", "built", "deferred context")]
     measured = {g: {name: marks[b][g] - marks[a][g] for name, a, b in seq} for g in gpus}
+    for g in gpus:  # the deferred context as its tensors asked for it, beside the blocks it got
+        measured[g]["deferred context (requested)"] = asked[g]
     return target, drafter, deferred, measured
 
 
@@ -283,6 +295,8 @@ def main():
     rows = []  # (component, gpu, planned, measured, exact)
     for g in gpus:
         rows += [(c, g, planned[g][c], measured[g][c], True) for c in EXACT]
+        rows.append(("deferred (requested)", g, planned[g]["deferred context"], measured[g]["deferred context (requested)"],
+                     True))
     if not a.no_activations:
         got = measure_phases(dec, gpus, a.prompt_tokens, a.verify_nodes, chunk, path == "math")
         for g in gpus:
