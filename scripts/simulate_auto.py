@@ -407,6 +407,34 @@ def check_live(traces: dict, fixture: Path, limit: int, tokens: int) -> int:
     return 1 if wrong else 0
 
 
+def rounds_against_traces(doc: dict, positions: dict[str, dict]) -> dict:
+    """Each timed round of a bench document's runs against the traces at its position (a round's
+    root is the continuation's token t): -> {method: {rounds, equal, accepted_live, accepted_traced}}
+    (means of draft tokens accepted per drafting round; positions past the traces are left out). In
+    float32 every round equals its trace; where the live continuation leaves the traced one (bf16)
+    the rest of that prompt compares other texts."""
+    from scripts.bench_auto import label
+
+    out = {}
+    for run in doc["runs"]:
+        name = label(run)
+        if name == "ar":
+            continue
+        n = equal = live = traced = 0
+        for p in run["prompts"]:
+            pos, t = positions[p["prompt_id"]], 0
+            for size, acc in zip(p["rounds"]["tree_size"], p["rounds"]["accepted"]):
+                if t >= len(pos["acc:chain"]):
+                    break
+                if size:
+                    want = pos["acc:chain" if name == "dflash" else f"acc:a{size}" if name == "ddtree-auto"
+                               else f"acc:t{size}"][t]
+                    n, equal, live, traced = n + 1, equal + (want == acc), live + acc, traced + want
+                t += acc + 1
+        out[name] = {"rounds": n, "equal": equal, "accepted_live": live / max(n, 1), "accepted_traced": traced / max(n, 1)}
+    return out
+
+
 def replay_bench(traces: dict, args) -> int:
     """Every bench document in args.bench replayed: the simulation's tok/ms per method against the
     live run's decode tok/s, auto's ratio to the best fixed method in both."""
@@ -426,7 +454,8 @@ def replay_bench(traces: dict, args) -> int:
         best_live = max((k for k in FIXED if k in live), key=live.get)
         row.update(drafter=name, dtype=dtype, prompts=prompts, tokens=tokens, live_tok_s=live, live_best_fixed=best_live,
                    live_auto_vs_best=live.get("ddtree-auto", 0.0) / live[best_live],
-                   costs={"ar": costs.ar, "verify": costs.verify, "rounds": costs.rounds, "beyond": costs.beyond})
+                   costs={"ar": costs.ar, "verify": costs.verify, "rounds": costs.rounds, "beyond": costs.beyond},
+                   rounds_vs_traces=rounds_against_traces(doc, {x["prompt"]: x["positions"] for x in traces["drafters"][name]}))
         rows.append(row)
         tpm = row["tok_per_ms"]
         print(f"{name} {dtype} | " + "  ".join(f"{tpm[k] * 1e3:.0f}" for k in list(FIXED) + ["auto"])

@@ -125,3 +125,26 @@ def test_bench_costs_read_a_bench_document():
     assert costs.rounds["ddtree-32"] == pytest.approx(1.32)
     assert costs.beyond[32] == pytest.approx(1.32 - 0.82)
     assert live["ddtree-auto"] == 2100.0 and live["ddtree-8"] == 2408.0
+
+
+def test_rounds_against_traces_follow_each_round_to_its_position():
+    """scripts/simulate_auto.py --bench: each timed drafting round is compared with the trace at the
+    position its root takes in the continuation (plain steps and ar advance it by one token)."""
+    from scripts.simulate_auto import rounds_against_traces
+
+    pos = {"p": {"acc:chain": [2, 0, 0, 1, 0, 0, 0], "acc:t8": [3, 0, 0, 0, 1, 0, 0],
+                 "acc:a4": [0, 2, 0, 0, 0, 0, 0], "acc:a15": [1, 0, 0, 0, 0, 2, 0]}}
+
+    def run(method, budget, sizes, accepted, setting=None):
+        return {"method": method, "budget": budget, "budget_setting": setting,
+                "prompts": [{"prompt_id": "p", "rounds": {"tree_size": sizes, "accepted": accepted}}]}
+
+    doc = {"runs": [run("ar", None, [0] * 7, [0] * 7),
+                    run("dflash", None, [15, 15, 15], [2, 1, 0]),  # roots at 0, 3, 5: traced 2, 1, 0
+                    run("ddtree", 8, [8, 8, 8], [3, 0, 0]),  # roots at 0, 4, 5: traced 3, 1, 0
+                    run("ddtree", 64, [0, 4, 0, 15, 15], [0, 2, 0, 2, 0], setting="auto")]}  # plain, a4@1, plain, a15@5 (traced 2), a15@ past
+    got = rounds_against_traces(doc, pos)
+    assert got["dflash"] == {"rounds": 3, "equal": 3, "accepted_live": 1.0, "accepted_traced": 1.0}
+    assert got["ddtree-8"]["rounds"] == 3 and got["ddtree-8"]["equal"] == 2 and got["ddtree-8"]["accepted_traced"] == 4 / 3
+    assert got["ddtree-auto"] == {"rounds": 2, "equal": 2, "accepted_live": 2.0, "accepted_traced": 2.0}
+    assert "ar" not in got
