@@ -372,6 +372,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def drafting_rounds(sizes: list[int], accepted: list[int], n: int):
+    """(t, tree size, accepted) of each drafting round (tree size > 0) of a generation, t the
+    continuation's token that is its root (the tokens the rounds before it committed, accepted + 1
+    each), while t < n (the traced positions)."""
+    t = 0
+    for size, acc in zip(sizes, accepted):
+        if t >= n:
+            return
+        if size:
+            yield t, size, acc
+        t += acc + 1
+
+
 @torch.no_grad()
 def check_live(traces: dict, fixture: Path, limit: int, tokens: int) -> int:
     """The replay's premise, checked: a live --budget auto generation (CPU float32, the device
@@ -393,13 +406,12 @@ def check_live(traces: dict, fixture: Path, limit: int, tokens: int) -> int:
         for p in prompts:
             ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
             rec = dec.generate(ids, "ddtree", budget="auto", max_new_tokens=tokens)
-            pos, t, n, bad = by_prompt[p["id"]], 0, 0, []
-            for r in rec.rounds:  # a round's root is the continuation's token t
-                if r.tree_size:
-                    n += 1
-                    if pos[f"acc:a{r.tree_size}"][t] != r.accepted:
-                        bad.append((t, r.tree_size, pos[f"acc:a{r.tree_size}"][t], r.accepted))
-                t += r.accepted + 1
+            pos, n, bad = by_prompt[p["id"]], 0, []
+            for t, size, acc in drafting_rounds([r.tree_size for r in rec.rounds], [r.accepted for r in rec.rounds],
+                                                len(pos["acc:chain"])):
+                n += 1
+                if pos[f"acc:a{size}"][t] != acc:
+                    bad.append((t, size, pos[f"acc:a{size}"][t], acc))
             checked, wrong = checked + n, wrong + len(bad)
             print(f"{name} {p['id']}: {n} tree rounds of {len(rec.rounds)}, "
                   + (f"mismatched (position, budget, traced, live): {bad[:5]}" if bad else "each as traced"))
@@ -422,15 +434,11 @@ def rounds_against_traces(doc: dict, positions: dict[str, dict]) -> dict:
             continue
         n = equal = live = traced = 0
         for p in run["prompts"]:
-            pos, t = positions[p["prompt_id"]], 0
-            for size, acc in zip(p["rounds"]["tree_size"], p["rounds"]["accepted"]):
-                if t >= len(pos["acc:chain"]):
-                    break
-                if size:
-                    want = pos["acc:chain" if name == "dflash" else f"acc:a{size}" if name == "ddtree-auto"
-                               else f"acc:t{size}"][t]
-                    n, equal, live, traced = n + 1, equal + (want == acc), live + acc, traced + want
-                t += acc + 1
+            pos = positions[p["prompt_id"]]
+            for t, size, acc in drafting_rounds(p["rounds"]["tree_size"], p["rounds"]["accepted"], len(pos["acc:chain"])):
+                want = pos["acc:chain" if name == "dflash" else f"acc:a{size}" if name == "ddtree-auto"
+                           else f"acc:t{size}"][t]
+                n, equal, live, traced = n + 1, equal + (want == acc), live + acc, traced + want
         out[name] = {"rounds": n, "equal": equal, "accepted_live": live / max(n, 1), "accepted_traced": traced / max(n, 1)}
     return out
 

@@ -38,15 +38,12 @@ def run_selftest(opts: dict, stage: Callable[[str], None]) -> None:
         torch.set_num_threads(threads)
 
 
-def _selftest(dev, n_new: int, stage: Callable[[str], None], options=None, compiled: bool = False) -> None:
+def _selftest(dev, n_new: int, stage: Callable[[str], None], options, compiled: bool = False) -> None:
     import torch
 
     from ddtree.decode.random_pair import build_random_pair
     from ddtree.stats import aggregate
 
-    from ddtree.options import Options
-
-    options = options or Options.from_env()
     t0 = time.perf_counter()
     vocab, n_prompt = 24, 20  # a small vocabulary: random drafts are accepted often enough to exercise long paths
     decoder, _ = build_random_pair("hybrid", seed=0, dtype=torch.float32, device=dev,

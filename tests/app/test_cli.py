@@ -60,9 +60,8 @@ def test_selftest_subprocess():
     assert "Traceback" not in r.stderr
 
 
-def test_selftest_takes_the_switches(monkeypatch, capsys):
-    """`ddtree selftest` decodes with the DDTREE_* switches of the environment (here the host-tree
-    round loop and the dense-mask attention twin), names them in its header, and still passes."""
+def _selftest_options(monkeypatch, opts: dict) -> list:
+    """Run `ddtree selftest` in-process with opts; -> the Options its random pair was built with."""
     import ddtree.decode.random_pair as random_pair
     from ddtree.app.selftest import run_selftest
 
@@ -74,9 +73,16 @@ def test_selftest_takes_the_switches(monkeypatch, capsys):
         return real(*a, **kw)
 
     monkeypatch.setattr(random_pair, "build_random_pair", spy)
+    run_selftest(opts, lambda s: None)
+    return seen
+
+
+def test_selftest_takes_the_switches(monkeypatch, capsys):
+    """`ddtree selftest` decodes with the DDTREE_* switches of the environment (here the host-tree
+    round loop and the dense-mask attention twin), names them in its header, and still passes."""
     monkeypatch.setenv("DDTREE_HOST_ROUNDS", "1")
     monkeypatch.setenv("DDTREE_ATTENTION", "sdpa")
-    run_selftest({"devices": "cpu", "max_new_tokens": 12}, lambda s: None)
+    seen = _selftest_options(monkeypatch, {"devices": "cpu", "max_new_tokens": 12})
     out = capsys.readouterr().out
     assert seen and seen[0].host_rounds and seen[0].attention == "sdpa"
     assert "switches DDTREE_ATTENTION=sdpa DDTREE_HOST_ROUNDS=1" in out and "selftest passed" in out
@@ -86,19 +92,8 @@ def test_selftest_takes_the_switches(monkeypatch, capsys):
 def test_selftest_layers_eager_unless_compiled(monkeypatch, compiled):
     """`ddtree selftest` builds its pair with the eager layers (no torch.compile: on a GPU that costs
     more than the decoding) unless --compiled; the environment's other switches stay."""
-    import ddtree.decode.random_pair as random_pair
-    from ddtree.app.selftest import run_selftest
-
-    seen = []
-    real = random_pair.build_random_pair
-
-    def spy(*a, **kw):
-        seen.append(kw.get("options"))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(random_pair, "build_random_pair", spy)
     monkeypatch.setenv("DDTREE_ATTENTION", "sdpa")
-    run_selftest({"devices": "cpu", "max_new_tokens": 8, "compiled": compiled}, lambda s: None)
+    seen = _selftest_options(monkeypatch, {"devices": "cpu", "max_new_tokens": 8, "compiled": compiled})
     assert seen[0].compile is compiled and seen[0].attention == "sdpa"
 
 
