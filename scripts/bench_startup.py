@@ -11,6 +11,8 @@ Cases:
   * phases: one fresh process that times the steps of the setup phase one after another (import
     torch, CUDA's context, import transformers, the tokenizer, ddtree's model and decode modules,
     the configs), then `python -X importtime` of the generate case with its 25 costliest imports
+  * profile: the generate case under cProfile (its .prof in --logs; the row keeps the 30 costliest
+    calls by cumulative time up to the first token's print, and by their own time)
   * preset: random weights of --preset's exact shapes on the GPU, then Decoder.generate per method
     (--methods): from the weights in memory to the first token, and to the last (--tokens), which
     holds the compiles and the captures of the first generation of a process
@@ -134,6 +136,18 @@ def top_imports(err: str, n: int = 25) -> list:
     return [f"{us / 1e6:.3f} s {name}" for us, name in rows[:n]]
 
 
+def top_calls(prof: Path, n: int = 30) -> dict:
+    """The costliest calls of a cProfile dump: by cumulative and by own time (s)."""
+    import pstats
+
+    if not prof.is_file():
+        return {}
+    st = pstats.Stats(str(prof))
+    rows = [(f"{Path(f).name}:{line}({fn})", round(cc, 3), round(tt, 3), nc)
+            for (f, line, fn), (_, nc, tt, cc, _) in st.stats.items()]
+    return {"by_cumulative": sorted(rows, key=lambda r: -r[1])[:n], "by_own": sorted(rows, key=lambda r: -r[2])[:n]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--codepair", type=Path, default=ROOT / ".fixture" / "codepair")
@@ -172,6 +186,10 @@ def main() -> None:
             elif case == "phases":
                 cmd = [sys.executable, "-c", PHASES_INNER.format(root=str(ROOT), target=str(fx / "target"),
                                                                  drafter=str(fx / a.drafter))]
+            elif case == "profile":
+                prof = a.logs / f"generate-{state}.prof"
+                cmd = [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "ddtree", "generate", "--target",
+                       str(fx / "target"), "--drafter", str(fx / a.drafter), "-n", str(a.new_tokens), "-v", "def quicksort(xs):"]
             elif case == "importtime":
                 cmd = [sys.executable, "-X", "importtime", "-m", "ddtree", "generate", "--target", str(fx / "target"),
                        "--drafter", str(fx / a.drafter), "-n", "8", "def quicksort(xs):"]
@@ -191,6 +209,8 @@ def main() -> None:
                     row["phases"] = json.loads(m.group(1))
             if case == "importtime":
                 row["top_imports"] = top_imports(err)
+            if case == "profile":
+                row.update(parse_generate(err), **top_calls(a.logs / f"generate-{state}.prof"))
             if case == "preset":
                 m = re.search(r"^PRESET (.*)$", out, re.M)
                 if m:

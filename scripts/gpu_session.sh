@@ -7,6 +7,8 @@
 #   scripts/gpu_session.sh suite       # codepair: the GPU test suite
 #   scripts/gpu_session.sh auto        # codepair: --budget auto against the fixed methods; start-up cold and warm
 #   scripts/gpu_session.sh verify      # 27B shapes: the fused GDN tree kernel at 33 / 65 nodes, the 1K engine with it
+#   scripts/gpu_session.sh startup     # codepair: start-up cold and warm (generate, selftest, generate under cProfile);
+#                                      # 27B shapes: the memory plan at 32K
 #   scripts/gpu_session.sh imports     # codepair: the setup phase step by step and python -X importtime, three fresh processes
 #   scripts/gpu_session.sh split       # 27B shapes: two stages on one GPU (the graphed split, the default) against one
 #                                      # (SPLIT_ARGS=--no-eager: without the eager twin's timing)
@@ -51,6 +53,13 @@ verify)
     step 150 engine.log env DDTREE_TREE_FUSED=0 python3 scripts/bench_engine.py --contexts 1024 --sizes 1,17,33,65 --out "$OUT/engine-1k-unfused-h200.json"
     step 150 engine.log env DDTREE_TREE_FUSED=65 python3 scripts/bench_engine.py --contexts 1024 --sizes 1,17,33,65 --out "$OUT/engine-1k-fused-h200.json"
     ;;
+startup)
+    fixture
+    step 300 startup.log python3 scripts/bench_startup.py --codepair .fixture/codepair --cases generate,selftest,profile \
+        --timeout 110 --logs "$OUT/startup-logs" --out "$OUT/startup-h200.json"
+    tar -czf "$OUT/startup-logs.tar.gz" -C "$OUT" startup-logs && rm -rf "$OUT/startup-logs"
+    step 150 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-h200.json"
+    ;;
 imports)
     fixture
     step 120 imports.log python3 scripts/bench_startup.py --codepair .fixture/codepair --cases phases,importtime \
@@ -60,7 +69,7 @@ split)
     step 500 split.log python3 scripts/bench_split.py ${SPLIT_ARGS:-} --out "$OUT/split-h200.json"
     ;;
 *)
-    echo "error: name a group: chat, suite, auto, imports, verify or split" >&2
+    echo "error: name a group: chat, suite, auto, startup, imports, verify or split" >&2
     exit 2
     ;;
 esac

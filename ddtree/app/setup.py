@@ -350,25 +350,33 @@ def _first_line(e: BaseException) -> str:
 
 def load_tokenizer(model_dir: Path):
     """The target's tokenizer as its checkpoint ships it: tokenizer.json's pipeline with the special
-    tokens and chat template of tokenizer_config.json (transformers' PreTrainedTokenizerFast).
+    tokens and chat template of tokenizer_config.json.
 
-    Not AutoTokenizer, where tokenizer.json exists: transformers may map a model type to a class
-    whose own pre-tokenizer splits text differently from the file the model was trained with
-    (5.24: every qwen3_5 checkpoint to Qwen3_5Tokenizer), and importing AutoTokenizer pulls in
-    transformers' model registry (torch.distributed.tensor, torch._dynamo, sklearn where it is
-    installed): 5.9 s of a fresh process on the H200 machine, more than torch's own import
-    (`scripts/bench_startup.py --cases phases`). A checkpoint without tokenizer.json (a
-    sentencepiece model only) goes through AutoTokenizer."""
+    Through `tokenizers` alone where transformers would add nothing to that file
+    (ddtree.app.tokenizer.JsonTokenizer: importing transformers is 1.1-1.2 s of a fresh process on
+    the H200 machine), else transformers' PreTrainedTokenizerFast. Not AutoTokenizer, where
+    tokenizer.json exists: transformers may map a model type to a class whose own pre-tokenizer
+    splits text differently from the file the model was trained with (5.24: every qwen3_5
+    checkpoint to Qwen3_5Tokenizer), and importing AutoTokenizer pulls in transformers' model
+    registry (torch.distributed.tensor, torch._dynamo, sklearn where it is installed): 5.9 s of a
+    fresh process on the H200 machine (`scripts/bench_startup.py --cases phases`). A checkpoint
+    without tokenizer.json (a sentencepiece model only) goes through AutoTokenizer."""
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         raise DDTreeError(f"{model_dir} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
                           "copy them from the model's repository into that folder")
+    fast = (model_dir / "tokenizer.json").is_file()
+    tok = None
     try:
-        if (model_dir / "tokenizer.json").is_file():
-            from transformers import PreTrainedTokenizerFast as Loader
-        else:
-            from transformers import AutoTokenizer as Loader
-        with _quiet_transformers():
-            tok = Loader.from_pretrained(str(model_dir))
+        if fast:
+            from ddtree.app.tokenizer import JsonTokenizer
+
+            tok, why = JsonTokenizer.load(model_dir)
+            if why:
+                logger.debug(f"tokenizer through transformers: {why}")
+        if tok is None:
+            tok = hf_tokenizer(model_dir, fast)
+    except DDTreeError:
+        raise
     except Exception as e:  # unreadable tokenizer files, unknown tokenizer class, ...
         raise DDTreeError(
             f"cannot load the tokenizer from {model_dir} ({type(e).__name__}: {_first_line(e)}): "
@@ -378,6 +386,17 @@ def load_tokenizer(model_dir: Path):
         raise DDTreeError(f"the tokenizer in {model_dir} is empty (no vocabulary): copy the model's tokenizer files "
                           "(tokenizer.json, tokenizer_config.json) into that folder")
     return tok
+
+
+def hf_tokenizer(model_dir: Path, fast: bool):
+    """transformers' tokenizer of model_dir: PreTrainedTokenizerFast over tokenizer.json (fast), or
+    AutoTokenizer (a checkpoint without tokenizer.json)."""
+    if fast:
+        from transformers import PreTrainedTokenizerFast as Loader
+    else:
+        from transformers import AutoTokenizer as Loader
+    with _quiet_transformers():
+        return Loader.from_pretrained(str(model_dir))
 
 
 @contextmanager

@@ -32,10 +32,15 @@ def test_fixture_prompts_encode_as_tokenizer_json(fixture_dir):
     assert S.NOTICES == []
 
 
-def test_tokenizer_loads_without_the_model_registry(fixture_dir, tmp_path):
+@pytest.mark.parametrize("extra, want", [
+    ({}, ["JsonTokenizer", "8192", "[]"]),  # tokenizer.json through tokenizers alone: no transformers at all
+    ({"add_prefix_space": False}, ["TokenizersBackend", "8192", "['transformers']"]),  # a key JsonTokenizer leaves to transformers
+])
+def test_tokenizer_loads_without_the_model_registry(fixture_dir, tmp_path, extra, want):
     """A fresh process loading the target's tokenizer (tokenizer_config.json naming another class,
     as Qwen's do) imports neither transformers' model registry (AutoTokenizer's import: seconds,
-    with torch.distributed.tensor, torch._dynamo and sklearn behind it) nor torch, and warns nothing."""
+    with torch.distributed.tensor, torch._dynamo and sklearn behind it) nor torch, and warns
+    nothing; where the config adds nothing to tokenizer.json, not even transformers."""
     import json
     import shutil
     import subprocess
@@ -47,14 +52,15 @@ def test_tokenizer_loads_without_the_model_registry(fixture_dir, tmp_path):
         shutil.copy(fixture_dir / "target" / f, d / f)
         (d / f).chmod(0o644)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, tokenizer_class="Qwen2Tokenizer")))
-    code = ("import sys; from pathlib import Path; from ddtree.app.setup import load_tokenizer; "
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, tokenizer_class="Qwen2Tokenizer", **extra)))
+    code = ("import sys; from pathlib import Path; from loguru import logger; from ddtree.app.setup import load_tokenizer; "
+            "logger.remove(); logger.add(sys.stderr, level='INFO'); "  # as the CLI logs without -v
             f"tok = load_tokenizer(Path({str(d)!r})); "
             "print(type(tok).__name__, len(tok), sorted(m for m in sys.modules if m in "
-            "('transformers.models.auto.auto_factory', 'torch', 'torch._dynamo', 'sklearn')))")
+            "('transformers', 'transformers.models.auto.auto_factory', 'torch', 'torch._dynamo', 'sklearn')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["TokenizersBackend", "8192", "[]"], r.stdout
+    assert r.stdout.replace(", ", ",").split() == want, r.stdout
     assert r.stderr.strip() == "", r.stderr
 
 
