@@ -9,6 +9,8 @@
 #   scripts/gpu_session.sh verify      # 27B shapes: the fused GDN tree kernel at 33 / 65 nodes, the 1K engine with it
 #   scripts/gpu_session.sh startup     # codepair: start-up cold and warm (generate, selftest, generate under cProfile);
 #                                      # 27B shapes: the memory plan at 32K
+#   scripts/gpu_session.sh autoprof    # codepair drafter-large, bf16: kernels and wall per round of ar, dflash, ddtree 8
+#                                      # and --budget auto (its plain steps and tree rounds against ar's and ddtree 8's)
 #   scripts/gpu_session.sh imports     # codepair: the setup phase step by step and python -X importtime, three fresh processes
 #   scripts/gpu_session.sh split       # 27B shapes: two stages on one GPU (the graphed split, the default) against one
 #                                      # (SPLIT_ARGS=--no-eager: without the eager twin's timing)
@@ -60,6 +62,11 @@ startup)
     tar -czf "$OUT/startup-logs.tar.gz" -C "$OUT" startup-logs && rm -rf "$OUT/startup-logs"
     step 150 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-h200.json"
     ;;
+autoprof)
+    fixture
+    step 300 autoprof.log python3 scripts/profile_round.py --target .fixture/codepair/target --drafter .fixture/codepair/drafter-large \
+        --methods ar,dflash,ddtree:8,ddtree:auto --graphs --out "$OUT/profile-auto-h200.json"
+    ;;
 imports)
     fixture
     step 120 imports.log python3 scripts/bench_startup.py --codepair .fixture/codepair --cases phases,importtime \
@@ -69,7 +76,7 @@ split)
     step 500 split.log python3 scripts/bench_split.py ${SPLIT_ARGS:-} --out "$OUT/split-h200.json"
     ;;
 *)
-    echo "error: name a group: chat, suite, auto, startup, imports, verify or split" >&2
+    echo "error: name a group: chat, suite, auto, startup, autoprof, imports, verify or split" >&2
     exit 2
     ;;
 esac

@@ -127,8 +127,10 @@ class JsonTokenizer:
         return self._hf
 
     def apply_chat_template(self, conversation, **kwargs):
-        """transformers renders the template (this object's, which a caller may have replaced)."""
-        kwargs.setdefault("chat_template", self.chat_template)
+        """transformers renders the template (this object's, which a caller may have replaced; named
+        templates, a dict, are transformers' own to pick from)."""
+        if isinstance(self.chat_template, str):
+            kwargs.setdefault("chat_template", self.chat_template)
         return self.hf.apply_chat_template(conversation, **kwargs)
 
     def __getattr__(self, name: str):
