@@ -2,7 +2,8 @@
 """What a verify of T nodes costs besides attention, on the Qwen3.6-27B shapes:
 
 1. gemms: every weight GEMM of the model at T rows (per shape, times its count in the model),
-   against the weight-read roofline at the measured copy bandwidth;
+   against the weight-read roofline at the measured copy bandwidth, through each BLAS backend of
+   --gemm-backends;
 2. gdn: one GDN layer's recurrence on each path, from the layer's input projection to the mixer's
    output: `prologue` (ddtree.ops.gdn_tree.gdn_tree_prologue: conv, norms, gates and recurrence in
    one kernel), `kernel` (the torch prologue qkvgb, then gdn_tree), `wy` (qkvgb, then gdn.tree_wy's
@@ -80,17 +81,25 @@ def gemm_shapes(tc: dict) -> list[tuple[str, int, int, int]]:
     ]
 
 
-def bench_gemms(tc: dict, nodes: list[int], bw: float) -> list[dict]:
+def bench_gemms(tc: dict, nodes: list[int], bw: float, backends: tuple[str, ...] = ("cublas",)) -> list[dict]:
+    """Each weight GEMM at T rows through each BLAS backend torch offers (`cublas`, `cublaslt`:
+    torch.backends.cuda.preferred_blas_library; each picks its own kernel per shape, and a
+    verify's 17 / 33 / 65 rows are where cuBLAS's choice costs most)."""
     rows = []
+    default = torch.backends.cuda.preferred_blas_library()
     for name, n, k, count in gemm_shapes(tc):
         copies = max(1, min(4, (1 << 30) // (n * k * 2)))  # distinct weights so that L2 cannot serve them
         ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
-        for T in nodes:
-            x = torch.randn(T, k, device=DEV, dtype=torch.bfloat16)
-            it = iter(range(1 << 62))
-            ms = graph_ms(lambda: F.linear(x, ws[next(it) % copies]), calls=copies * 2)
-            roof = n * k * 2 / (bw * 1e9) * 1e3
-            rows.append(dict(name=name, T=T, count=count, ms=ms, model_ms=ms * count, roofline_frac=roof / ms))
+        for backend in backends:
+            torch.backends.cuda.preferred_blas_library(backend)
+            for T in nodes:
+                x = torch.randn(T, k, device=DEV, dtype=torch.bfloat16)
+                it = iter(range(1 << 62))
+                ms = graph_ms(lambda: F.linear(x, ws[next(it) % copies]), calls=copies * 2)
+                roof = n * k * 2 / (bw * 1e9) * 1e3
+                rows.append(dict(name=name, backend=backend, T=T, count=count, ms=ms, model_ms=ms * count,
+                                 roofline_frac=roof / ms))
+        torch.backends.cuda.preferred_blas_library(default)
         del ws
     return rows
 
@@ -226,6 +235,8 @@ def main():
     ap.add_argument("--blocks", type=int, nargs="*", default=[16, 64],
                     help="gdn_tree_blocked's block sizes to time besides its rule's (core), with and without the root "
                          "folded, at its tiles and at each of --tiles")
+    ap.add_argument("--gemm-backends", default="cublas",
+                    help="comma-separated BLAS backends of the gemms part: cublas, cublaslt")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -246,13 +257,15 @@ def main():
 
     parts = a.parts.split(",")
     if "gemms" in parts:
-        rows = out["gemms"] = bench_gemms(tc, nodes, bw)
+        backends = tuple(a.gemm_backends.split(","))
+        rows = out["gemms"] = bench_gemms(tc, nodes, bw, backends)
         save()
-        for T in nodes:
-            mine = [r for r in rows if r["T"] == T]
-            tot = sum(r["model_ms"] for r in mine)
-            print(f"T={T:3d}  GEMMs of the model {tot:7.3f} ms  " + "  ".join(
-                f"{r['name']} {r['ms'] * 1e3:.1f}us({r['roofline_frac']:.0%})" for r in mine), flush=True)
+        for backend in backends:
+            for T in nodes:
+                mine = [r for r in rows if r["T"] == T and r["backend"] == backend]
+                tot = sum(r["model_ms"] for r in mine)
+                print(f"{backend:8s} T={T:3d}  GEMMs of the model {tot:7.3f} ms  " + "  ".join(
+                    f"{r['name']} {r['ms'] * 1e3:.1f}us({r['roofline_frac']:.0%})" for r in mine), flush=True)
     for part in ("gdn", "core"):
         if part in parts:
             bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],
