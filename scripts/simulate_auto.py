@@ -5,6 +5,8 @@
     python scripts/simulate_auto.py                 # replay results/auto-traces-cpu.json.gz
     python scripts/simulate_auto.py --bench DIR --out results/auto-sim-codepair-h200.json
                                                     # at the costs of bench_auto.py's documents in DIR
+    python scripts/simulate_auto.py --bench DIR --trace-prompts 8:16 --out results/auto-sim-codepair-h200.json
+                                                    # the same costs on other traced prompts (added to the file)
     python scripts/simulate_auto.py --check-live --limit 4 --tokens 128
                                                     # live auto (CPU float32) against the traces, round by round
 
@@ -328,6 +330,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", type=Path, default=None,
                     help="replay at the costs of bench_auto.py's documents in this folder (codepair-<drafter>-<dtype>.json), "
                          "each row beside what the live run measured")
+    ap.add_argument("--trace-prompts", default=None, metavar="START:STOP",
+                    help="--bench: replay these traced prompts (a Python slice of the 16) instead of the bench's own "
+                         "(the first ones): the same costs on other texts")
     ap.add_argument("--tokens-per-prompt", type=int, default=192,
                     help="--bench: at most this many positions replayed per prompt (the bench's new tokens, if fewer)")
     ap.add_argument("--check-live", action="store_true",
@@ -457,10 +462,11 @@ def replay_bench(traces: dict, args) -> int:
         costs, live = bench_costs(doc)
         ar = next(r for r in doc["runs"] if r["method"] == "ar")
         prompts = ar["aggregate"]["num_prompts"]  # the bench's own prompts: the first ones of the traces
+        picked = slice(0, prompts) if args.trace_prompts is None else slice(*(int(v) for v in args.trace_prompts.split(":")))
         tokens = min(args.tokens_per_prompt, max(p["new_tokens"] for p in ar["prompts"]))
-        row = simulate([x["positions"] for x in traces["drafters"][name]][:prompts], costs, n=tokens)
+        row = simulate([x["positions"] for x in traces["drafters"][name]][picked], costs, n=tokens)
         best_live = max((k for k in FIXED if k in live), key=live.get)
-        row.update(drafter=name, dtype=dtype, prompts=prompts, tokens=tokens, live_tok_s=live, live_best_fixed=best_live,
+        row.update(drafter=name, dtype=dtype, prompts=prompts, trace_prompts=[picked.start, picked.stop], tokens=tokens, live_tok_s=live, live_best_fixed=best_live,
                    live_auto_vs_best=live.get("ddtree-auto", 0.0) / live[best_live],
                    costs={"ar": costs.ar, "verify": costs.verify, "rounds": costs.rounds, "beyond": costs.beyond},
                    rounds_vs_traces=rounds_against_traces(doc, {x["prompt"]: x["positions"] for x in traces["drafters"][name]}))
@@ -469,7 +475,11 @@ def replay_bench(traces: dict, args) -> int:
         print(f"{name} {dtype} | " + "  ".join(f"{tpm[k] * 1e3:.0f}" for k in list(FIXED) + ["auto"])
               + f"  {row['auto_vs_best']:.3f} ({row['best_fixed']}) | {live.get('ddtree-auto', 0):.0f}  "
               f"{row['live_auto_vs_best']:.3f} ({best_live})")
-    args.out.write_text(json.dumps({"traces": shown(args.traces), "bench": shown(args.bench), "rows": rows}, indent=1))
+    doc = {"traces": shown(args.traces), "bench": shown(args.bench), "rows": rows}
+    if args.out.exists() and args.trace_prompts is not None:  # other texts beside the bench's own
+        prev = json.loads(args.out.read_text())
+        doc = dict(prev, **{f"rows_trace_prompts_{args.trace_prompts.replace(':', '_')}": rows})
+    args.out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

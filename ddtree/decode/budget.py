@@ -150,9 +150,15 @@ class BudgetChooser:
         best = max(rate, key=rate.get)
         return best, eq[best]
 
-    def observe(self, eq: dict[int, float]):
-        """A staged tree's E_q per budget, as the host reads it: the decayed average behind plain_pays."""
+    def observe(self, eq: dict[int, float], restart: bool = False):
+        """A staged tree's E_q per budget, as the host reads it: the decayed average behind plain_pays.
+        restart: the tree a probe drafted after a plain run: the average starts again from it. The
+        trees averaged before the run are as old as the run, and the text has moved on (on the
+        H200's codepair runs a probe whose tree accepted 3 tokens was answered by 64 more plain
+        steps, the average still that of the trees before; `scripts/simulate_auto.py --bench`)."""
         avg, d = self.mem.eq_avg, self.decay
+        if restart:
+            avg.clear()
         for b, e in eq.items():
             avg[b] = e if b not in avg else d * avg[b] + (1 - d) * e
 
@@ -305,7 +311,10 @@ class Auto(Policy):
     chooser.probe_every-th plain step in a row drafts again (a probe; sooner where the chooser's
     measurements say a tree would pay), and the round after it verifies that tree whatever the
     chooser thinks (a smaller sample would leave a smaller staged tree, and the choice after it
-    only that to pick from): the acceptance ratio only learns from trees verified, so without that sample one bad start would keep auto on plain steps for good.
+    only that to pick from): the acceptance ratio only learns from trees verified, so without that
+    sample one bad start would keep auto on plain steps for good. The probe's tree also restarts
+    the E_q average that decides plain steps against trees (BudgetChooser.observe): the trees
+    before the plain run say little about the text now.
     Rounds are timed by `clock` between the host's reads, except round 0, rounds during which a
     graph was captured (`new_keys` moved) and rounds whose successor is of another kind (plain,
     probe, tree): the span between two reads also holds the queueing of the next round."""
@@ -404,7 +413,7 @@ class Auto(Policy):
             cover = [b for b in self.budgets if b <= self.staged.get(r, nb)]
             self.summary[r + 1] = ({b: h[b - 1] for b in cover}, {b: int(h[nb + b - 1]) for b in cover})
             self.latest = self.summary[r + 1][0]
-            ch.observe(self.latest)
+            ch.observe(self.latest, restart=self.kinds.get(r) == "probe")
         else:
             self.summary[r + 1] = None
         return depth

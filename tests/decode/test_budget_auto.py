@@ -280,3 +280,56 @@ def test_one_low_eq_does_not_buy_a_plain_step():
     for _ in range(60):  # but where the drafter stays that poor, plain steps win
         ch.observe(low)
     assert ch.plain_pays() and ch.pick_eq(low) == (0, 0.0) and not ch.wants_tree(low)
+
+
+def test_a_probe_tree_restarts_the_eq_average():
+    """The E_q average that decides plain steps against trees restarts at a probe's tree: trees
+    averaged before a plain run say nothing of the text after it."""
+    ch = BudgetChooser({4: 1.0, 15: 1.0}, plain_ms=0.5)
+    ch.update_plain(0.5)
+    ch.update(15, 0.1, 0, wall_ms=1.0)
+    for _ in range(20):
+        ch.observe({4: 0.05, 15: 0.1})  # a stretch where trees accept nothing
+    assert ch.plain_pays()
+    decayed = BudgetChooser({4: 1.0, 15: 1.0}, plain_ms=0.5, memory=ch.mem)
+    good = {4: 2.0, 15: 4.0}
+    ch.observe(good, restart=True)
+    assert ch.mem.eq_avg == good and not ch.plain_pays()
+    for _ in range(20):
+        decayed.observe({4: 0.05, 15: 0.1}, restart=True)
+    decayed.observe(good)  # the same tree without the restart: one sample against the old average
+    assert decayed.plain_pays()
+
+
+def test_auto_leaves_plain_steps_when_a_probe_finds_the_text_changed():
+    """Replayed with the real policy (scripts/simulate_auto.replay_auto): one generation whose
+    first 200 positions leave the drafter useless (auto settles on plain steps, its probes backing
+    off) and whose next 200 it drafts well. The first probe in the good stretch brings trees back;
+    with the E_q average not restarted at it, auto answers that probe with plain steps (measured:
+    240 plain steps against 256, 1.213 against 1.182 tokens per ms)."""
+    from scripts.simulate_auto import Costs, replay_auto
+
+    from ddtree.decode.budget import AutoMemory
+
+    n = 400
+    good = [t >= 200 for t in range(n)]
+    # the good stretch: E_q(b) 1.2 to 1.8 and 2 tokens accepted, so a tree round (1.6 ms for 3
+    # tokens) beats a plain step (1 ms for 1) by half, but one such tree weighs a tenth of the average
+    trace = {f"acc:a{b}": [2 if g else 0 for g in good] for b in AUTO_BUDGETS}
+    trace.update({f"eq:{b}": [min(b, 6) * 0.3 if g else 0.02 for g in good] for b in AUTO_BUDGETS})
+    costs = Costs(ar=1.0, verify={1: 1.0, 16: 1.1, 65: 1.3}, rounds={}, beyond={64: 0.5})
+
+    def replay(restart: bool):
+        import ddtree.decode.budget as B
+
+        observe = B.BudgetChooser.observe
+        if not restart:
+            B.BudgetChooser.observe = lambda self, eq, restart=False: observe(self, eq)
+        try:
+            tokens, ms, arms = replay_auto(trace, costs, n, AutoMemory())
+            return arms.get(0, 0), tokens / ms
+        finally:
+            B.BudgetChooser.observe = observe
+
+    (plain, rate), (plain_old, rate_old) = replay(True), replay(False)
+    assert plain_old >= plain + 16 and rate > 1.02 * rate_old, (plain, plain_old, rate, rate_old)
