@@ -19,6 +19,7 @@ says what every arm would accept there. For each position t a trace holds:
                t<b>: the best-first tree of b draft nodes with b columns, as `--budget b` builds it;
                a<b>: auto's tree of b nodes, AUTO_TOPK columns)
     eq:<b>     E_q(b) of auto's tree (its first b path probabilities summed), b in AUTO_BUDGETS
+    eq:c<b>    E_q of the drafter's top-1 chain cut to b nodes (its acceptance: acc:chain, at most b)
 
 (float32 on the CPU; eos does not stop a continuation). Replay: each fixed method walks a trace
 with its own acceptance at its round cost; auto runs the real policy (ddtree.decode.budget.Auto
@@ -93,6 +94,8 @@ def position_trace(root: int, lp: np.ndarray, ids: np.ndarray, cont: list[int]) 
     for b in AUTO_BUDGETS:
         acc[f"a{b}"] = accepted(auto.truncate(b + 1), cont)
     eq = {str(b): round(sum(probs[:b]), 4) for b in AUTO_BUDGETS}
+    chain_eq = np.cumsum(np.exp(np.cumsum(lp[:, 0].astype(np.float64))))  # the top-1 chain's E_q per length
+    eq.update({f"c{b}": round(float(chain_eq[b - 1]), 4) for b in AUTO_BUDGETS if b <= len(chain_eq)})
     return {"acc": acc, "eq": eq}
 
 
