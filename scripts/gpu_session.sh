@@ -9,8 +9,8 @@
 #   scripts/gpu_session.sh verify      # 27B shapes: the fused GDN tree kernel at 33 / 65 nodes, the 1K engine with it
 #   scripts/gpu_session.sh startup     # codepair: start-up cold and warm (generate, selftest, generate under cProfile);
 #                                      # 27B shapes: the memory plan at 32K
-#   scripts/gpu_session.sh gemms       # 27B shapes: the weight GEMMs at 1 to 65 rows through cuBLAS and cuBLASLt; the kernels
-#                                      # of a 33-node verify by kind (profile_round, under the graph)
+#   scripts/gpu_session.sh gemms       # 27B shapes: the weight GEMMs at 1 to 65 rows through cuBLAS and cuBLASLt, the 1K engine
+#                                      # with DDTREE_BLAS=cublaslt; the kernels of a 33-node verify by kind (profile_round)
 #   scripts/gpu_session.sh autoprof    # codepair drafter-large, bf16: kernels and wall per round of ar, dflash, ddtree 8
 #                                      # and --budget auto (its plain steps and tree rounds against ar's and ddtree 8's)
 #   scripts/gpu_session.sh imports     # codepair: the setup phase step by step and python -X importtime, three fresh processes
@@ -65,9 +65,11 @@ startup)
     step 150 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-h200.json"
     ;;
 gemms)
-    step 200 gemms.log python3 scripts/bench_verify.py --parts gemms --nodes 1,16,17,32,33,40,48,64,65 \
+    step 150 gemms.log python3 scripts/bench_verify.py --parts gemms --nodes 1,16,17,32,33,40,48,64,65 \
         --gemm-backends cublas,cublaslt --out "$OUT/verify-gemms-h200.json"
-    step 300 profile.log python3 scripts/profile_round.py --preset qwen3.6-27b --methods ar,ddtree:32 --graphs --tokens 24 \
+    step 150 engine.log env DDTREE_BLAS=cublaslt python3 scripts/bench_engine.py --contexts 1024 --sizes 1,17,33,65 \
+        --out "$OUT/engine-1k-cublaslt-h200.json"
+    step 250 profile.log python3 scripts/profile_round.py --preset qwen3.6-27b --methods ar,ddtree:32 --graphs --tokens 24 \
         --out "$OUT/profile-27b-round-h200.json"
     ;;
 autoprof)

@@ -62,3 +62,19 @@ def test_changed_names_the_switches_off_their_default():
     o = Options.from_env(env)
     assert o.changed(env) == {"DDTREE_NO_COMPILE": "1", "DDTREE_TREE_PROLOGUE": "8"}
     assert Options().changed({}) == {}
+
+
+def test_blas_switch_sets_torch_blas_library_on_cuda_only(monkeypatch):
+    """DDTREE_BLAS: torch's preferred BLAS library, set once a CUDA target takes its options;
+    auto and CPU targets leave torch's choice alone."""
+    import torch
+
+    from ddtree.ops.dispatch import apply_blas
+
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda b=None: calls.append(b))
+    assert Options.from_env({"DDTREE_BLAS": "cublaslt"}).blas == "cublaslt"
+    assert not apply_blas(Options(), [torch.device("cuda", 0)])
+    assert not apply_blas(Options(blas="cublaslt"), [torch.device("cpu")])
+    assert apply_blas(Options(blas="cublaslt"), [torch.device("cpu"), torch.device("cuda", 1)])
+    assert calls == ["cublaslt"]

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ddtree.ops import commit as commit_kernels
 from ddtree.ops import attention, fla, gdn, gdn_step, gdn_tree
 from ddtree.ops.eager import eager, eager_name
-from ddtree.ops.dispatch import REFERENCE, Kernels, resolve
+from ddtree.ops.dispatch import REFERENCE, Kernels, apply_blas, resolve
 from ddtree.model.config import TargetConfig
 from ddtree.model.stages import Stage, StageHook, stages_of
 from ddtree.options import Options
@@ -517,6 +517,7 @@ class TargetModel(nn.Module):
         hd = self.cfg.head_dim
         fits = hd >= 16 and hd & (hd - 1) == 0
         self.kernels = {st.index: resolve(options, st.device) for st in self.stages}
+        apply_blas(options, [st.device for st in self.stages])
         if not fits:
             self.kernels = {j: dataclasses.replace(k, attention="sdpa") for j, k in self.kernels.items()}
 

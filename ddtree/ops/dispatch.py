@@ -130,3 +130,13 @@ def _attention_kernel_available() -> bool:
     except ImportError:
         return False
     return hasattr(attention, "tree_attention")
+
+
+def apply_blas(options: Options, devices) -> bool:
+    """options.blas on a CUDA target: torch's BLAS library for every GEMM of the process (cuBLAS
+    and cuBLASLt pick their own kernels per shape; a verify's 17 / 33 / 65 rows are where cuBLAS's
+    choice costs most: `scripts/bench_verify.py --gemm-backends`). -> whether it was set."""
+    if options.blas == "auto" or not any(torch.device(d).type == "cuda" for d in devices):
+        return False
+    torch.backends.cuda.preferred_blas_library(options.blas)
+    return True
