@@ -272,3 +272,19 @@ def draft_from_logits(logits_fn):
     from ddtree.model.drafter import topk_logprobs
 
     return lambda bonus, kv_len, k, temperature=None: topk_logprobs(logits_fn(bonus, kv_len), k, temperature)
+
+
+def tokenizer_checkpoint(fixture_dir, tmp_path, **cfg_extra):
+    """A writable copy of the fixture target's tokenizer files (tmp_path/target), with cfg_extra
+    set in its tokenizer_config.json."""
+    import json
+    import shutil
+
+    d = tmp_path / "target"
+    d.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(fixture_dir / "target" / f, d / f)
+        (d / f).chmod(0o644)  # copied read-only from the fixture
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, **cfg_extra)))
+    return d

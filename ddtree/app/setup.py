@@ -375,8 +375,6 @@ def load_tokenizer(model_dir: Path):
                 logger.debug(f"tokenizer through transformers: {why}")
         if tok is None:
             tok = hf_tokenizer(model_dir, fast)
-    except DDTreeError:
-        raise
     except Exception as e:  # unreadable tokenizer files, unknown tokenizer class, ...
         raise DDTreeError(
             f"cannot load the tokenizer from {model_dir} ({type(e).__name__}: {_first_line(e)}): "

@@ -60,7 +60,7 @@ def direct_reason(model_dir: Path, cfg: dict, file_added: dict[str, bool]) -> st
     for tok in config_special_tokens(cfg):
         if not file_added.get(tok, False):
             return f"special token {tok!r} is not a special added token of tokenizer.json"
-    for name, entry in (cfg.get("added_tokens_decoder") or {}).items():
+    for entry in (cfg.get("added_tokens_decoder") or {}).values():
         if isinstance(entry, dict) and not entry.get("special", True):
             return "tokenizer_config.json adds non-special tokens"
     return None

@@ -41,18 +41,12 @@ def test_tokenizer_loads_without_the_model_registry(fixture_dir, tmp_path, extra
     as Qwen's do) imports neither transformers' model registry (AutoTokenizer's import: seconds,
     with torch.distributed.tensor, torch._dynamo and sklearn behind it) nor torch, and warns
     nothing; where the config adds nothing to tokenizer.json, not even transformers."""
-    import json
-    import shutil
     import subprocess
     import sys
 
-    d = tmp_path / "target"
-    d.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(fixture_dir / "target" / f, d / f)
-        (d / f).chmod(0o644)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, tokenizer_class="Qwen2Tokenizer", **extra)))
+    from helpers import tokenizer_checkpoint
+
+    d = tokenizer_checkpoint(fixture_dir, tmp_path, tokenizer_class="Qwen2Tokenizer", **extra)
     code = ("import sys; from pathlib import Path; from loguru import logger; from ddtree.app.setup import load_tokenizer; "
             "logger.remove(); logger.add(sys.stderr, level='INFO'); "  # as the CLI logs without -v
             f"tok = load_tokenizer(Path({str(d)!r})); "

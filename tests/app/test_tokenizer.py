@@ -5,34 +5,21 @@ eos id and chat rendering; and transformers wherever the config asks for more th
 
 from __future__ import annotations
 
-import json
 import random
-import shutil
 
 import pytest
 
 from ddtree.app import setup as S
 from ddtree.app.tokenizer import JsonTokenizer
+from helpers import tokenizer_checkpoint
 
 PIECES = ["def ", "f(x):", "\n", "    ", "\t", "return", " x", "  + 1", "12345", "héllo", "世界", "🙂", "\r\n", "'s",
           "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<|im_start", "|>", " ", "class A:", "#", "é"]
 
 
-def _checkpoint(fixture_dir, tmp_path, **cfg_extra):
-    d = tmp_path / "target"
-    d.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(fixture_dir / "target" / f, d / f)
-        (d / f).chmod(0o644)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg.update(cfg_extra)
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return d
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_json_tokenizer_equals_transformers(fixture_dir, tmp_path, seed):
-    d = _checkpoint(fixture_dir, tmp_path, tokenizer_class="Qwen2Tokenizer")
+    d = tokenizer_checkpoint(fixture_dir, tmp_path, tokenizer_class="Qwen2Tokenizer")
     tok = S.load_tokenizer(d)
     assert isinstance(tok, JsonTokenizer)
     hf = S.hf_tokenizer(d, fast=True)
@@ -52,7 +39,7 @@ def test_json_tokenizer_renders_the_template_as_transformers(fixture_dir, tmp_pa
     """A chat template is transformers' to render (loaded on first use); the rendered text's special
     tokens encode to the same ids."""
     chat = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
-    d = _checkpoint(fixture_dir, tmp_path, chat_template=chat)
+    d = tokenizer_checkpoint(fixture_dir, tmp_path, chat_template=chat)
     tok = S.load_tokenizer(d)
     assert isinstance(tok, JsonTokenizer) and tok.chat_template == chat and tok._hf is None
     hf = S.hf_tokenizer(d, fast=True)
@@ -72,7 +59,7 @@ def test_json_tokenizer_renders_the_template_as_transformers(fixture_dir, tmp_pa
 def test_transformers_where_the_config_asks_for_more(fixture_dir, tmp_path, extra, why):
     """A config JsonTokenizer would not follow exactly goes through transformers, which still
     encodes as it always did."""
-    d = _checkpoint(fixture_dir, tmp_path, **extra)
+    d = tokenizer_checkpoint(fixture_dir, tmp_path, **extra)
     tok, reason = JsonTokenizer.load(d)
     assert tok is None and why in reason
     loaded = S.load_tokenizer(d)
