@@ -141,11 +141,12 @@ class BudgetChooser:
         """eq: budget -> E_q(budget) of the tree at hand (or the latest one seen); the candidates are
         the budgets it covers, up to cap (the budget of the tree that will be truncated), and 0.
         The round's E_q chooses among the budgets; plain steps against trees is the arms' average
-        (`plain_pays`): one low E_q would buy a plain step and a probe's drafting to come back.
+        (`plain_pays`): one low E_q would buy a plain step and a probe's drafting to come back,
+        unless no tree at hand is worth its verify (`worth_verify`).
         -> (arm, its E_q)."""
         rate = self.rates(eq, cap)
         rate.pop(0, None)
-        if not rate or self.plain_pays(eq):
+        if not rate or self.plain_pays(eq) or not self.worth_verify(eq, rate):
             return 0, 0.0
         best = max(rate, key=rate.get)
         return best, eq[best]
@@ -169,6 +170,20 @@ class BudgetChooser:
         avg = self.mem.eq_avg or eq or {}
         trees = [(1 + self.ratio() * e) / self.cost(b) for b, e in avg.items() if b in self.verify_ms]
         return not trees or 1.0 / self.cost(0) > max(trees)
+
+    def worth_verify(self, eq: dict[int, float], budgets) -> bool:
+        """Among trees (the average says they pay): do the expected tokens of some tree at hand take
+        plain steps at least as long as its verify? One plain step instead saves the tree round's
+        cost past those tokens' plain steps and costs its drafting, since coming back takes a
+        probe's drafting, the same work: so the drafting is not held against the tree, its verify
+        is. On a GPU (a 15-node verify about 1.05 to 1.2 plain steps) that nearly always holds; on
+        a CPU (about 2.3 plain steps; drafting about one more) only where the drafter is
+        confident, and holding trees through the other rounds cost 2 to 5% against `ar`
+        (`scripts/simulate_auto.py --bench` at a quiet CPU's costs)."""
+        if self.plain_ms is None:
+            return True
+        plain = self.cost(0)
+        return any((1 + self.ratio() * eq[b]) * plain >= min(self.cost(b), self.verify_ms[b]) for b in budgets)
 
     def wants_tree(self, eq: dict[int, float]) -> bool:
         """During plain steps: would trees pay now, on the measurements? (Then the next plain step

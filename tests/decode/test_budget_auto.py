@@ -267,19 +267,42 @@ def test_verbose_logs_one_line_per_auto_round():
         assert int(n) == rr.committed
 
 
-def test_one_low_eq_does_not_buy_a_plain_step():
-    """The round's E_q chooses among budgets; plain steps against trees follows the average E_q:
-    a plain step and the probe after it cost more than one poor tree round."""
-    ch = BudgetChooser({4: 10.0, 15: 12.0}, plain_ms=9.0)
+def _among_trees(verify: dict[int, float], round_ms: dict[int, float], plain_ms: float) -> BudgetChooser:
+    """A chooser whose trees have paid (E_q 2 / 3 accepted in full) at these round costs."""
+    ch = BudgetChooser(verify, plain_ms=plain_ms)
     for _ in range(10):
         ch.observe({4: 2.0, 15: 3.0})
-        ch.update(15, 3.0, 3, wall_ms=12.0)
-        ch.update_plain(9.0)
-    low = {4: 0.05, 15: 0.1}  # this round: 1 / 9 ms for a plain step beats 1.1 / 12 ms
+        for b, ms in round_ms.items():
+            ch.update(b, 3.0, 3, wall_ms=ms)
+        ch.update_plain(plain_ms)
+    return ch
+
+
+def test_one_low_eq_does_not_buy_a_plain_step():
+    """The round's E_q chooses among budgets; plain steps against trees follows the average E_q:
+    where a verify costs about a plain step (a GPU's), a plain step and the probe after it cost
+    more than one poor tree round."""
+    ch = _among_trees({4: 9.2, 15: 9.6}, {4: 12.0, 15: 13.0}, plain_ms=9.0)
+    low = {4: 0.05, 15: 0.1}  # this round: 1 / 9 ms for a plain step beats 1.05 / 12 ms
     assert ch.pick_eq(low)[0] == 4 and not ch.plain_pays(low)
     for _ in range(60):  # but where the drafter stays that poor, plain steps win
         ch.observe(low)
     assert ch.plain_pays() and ch.pick_eq(low) == (0, 0.0) and not ch.wants_tree(low)
+
+
+def test_a_tree_not_worth_its_verify_buys_a_plain_step():
+    """Where a verify costs more than its expected tokens at plain-step pace (a CPU's: a 4-node
+    verify 1.6 plain steps, a 15-node one 2.3), a low round takes a plain step although the
+    average still says trees pay; the drafting past the verify is not held against a tree
+    (coming back would draft too), so a round whose tokens cover its verify keeps its tree."""
+    ch = _among_trees({4: 15.0, 15: 22.0}, {4: 25.0, 15: 31.0}, plain_ms=9.5)
+    assert ch.ratio() == 1.0 and not ch.plain_pays()
+    assert ch.pick_eq({4: 0.3, 15: 0.6}) == (0, 0.0)  # 1.3 and 1.6 tokens: 12.4 and 15.2 ms of plain steps
+    assert not ch.plain_pays({4: 0.3, 15: 0.6})  # the average alone would have kept the tree
+    worth = {4: 0.7, 15: 1.2}  # 1.7 tokens: 16.2 ms of plain steps, past the 4-node verify, short of its round
+    assert (1 + worth[4]) * 9.5 < ch.cost(4) and ch.pick_eq(worth)[0] in (4, 15)
+    same_gpu = _among_trees({4: 9.2, 15: 9.6}, {4: 12.0, 15: 13.0}, plain_ms=9.0)
+    assert same_gpu.pick_eq({4: 0.3, 15: 0.6})[0] in (4, 15)  # the same round where verifies are cheap
 
 
 def test_a_probe_tree_restarts_the_eq_average():
