@@ -6,7 +6,7 @@
     python scripts/bench_auto.py --fixture .fixture/codepair --drafters drafter-distilled --out-dir /root/out
 
 Each row is one `ddtree bench` (ar, dflash, ddtree 8/16/32/64 and auto; 8 prompts x 128 new tokens,
-greedy, raw prompts, one warm-up) whose document lands in --out-dir as
+greedy, raw prompts, one warm-up; the runs interleaved prompt by prompt) whose document lands in --out-dir as
 codepair-<drafter>-<dtype>.json; the table says decode tok/s per method, the best fixed method,
 auto's ratio to it (the target: at least 0.97), how often auto took a plain step, and whether
 every method equalled ar (float32 rows). A summary JSON (bench-auto.json) holds the table.
@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budgets", default="8,16,32,64,auto")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the runs prompt by prompt in turn (ddtree bench --interleave), so a slow spell of the "
+                         "machine hits every method alike")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "results")
     args = ap.parse_args(argv)
     from ddtree.app.bench import run_bench
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
             out = args.out_dir / f"codepair-{name}-{dtype}.json"
             doc = run_bench(str(args.fixture / "target"), str(args.fixture / name), prompts=str(args.fixture / "prompts.jsonl"),
                             methods="ar,dflash,ddtree", budgets=args.budgets, max_new_tokens=args.max_new_tokens,
-                            dtype=dtype, devices=args.devices, raw=True, limit=args.limit, out=out,
+                            dtype=dtype, devices=args.devices, raw=True, limit=args.limit, interleave=args.interleave, out=out,
                             progress=False, print_table=False)
             row = summarise(doc)
             row.update(drafter=name, dtype=dtype, device=doc["metadata"].get("devices"), seconds=time.perf_counter() - t0)

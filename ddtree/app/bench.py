@@ -185,6 +185,7 @@ def run_bench(
     thinking: bool = True,
     limit: int | None = None,
     warmup: int = 1,
+    interleave: bool = False,
     out: str | Path | None = "results/bench.json",
     top1_first: bool = False,
     tp: int = 1,
@@ -200,7 +201,8 @@ def run_bench(
     option that has no effect in the combination given gets one warning line)."""
     stage = stage or (lambda s: None)
     opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_new_tokens=max_new_tokens,
-                raw=raw, thinking=thinking, tp=tp, top1_first=top1_first, prompt_tokens=prompt_tokens)
+                raw=raw, thinking=thinking, tp=tp, top1_first=top1_first, prompt_tokens=prompt_tokens,
+                interleave=bool(interleave))
     # ---- every check that needs no torch
     meths = parse_methods(methods)
     buds = parse_budgets(budgets) if "ddtree" in meths else []
@@ -231,7 +233,7 @@ def run_bench(
         f"{max_new_tokens} new tokens, {'greedy' if sp.greedy else f'temperature {sp.temperature}'}"
         + (f", tensor parallel over {tp} ranks" if tp > 1 else "")
     )
-    bench = _Bench(spec, encoded, plan, sp, max_new_tokens, seed, top1_first, progress, stage)
+    bench = _Bench(spec, encoded, plan, sp, max_new_tokens, seed, top1_first, progress, stage, bool(interleave))
     try:
         if tp > 1:
             bench.run_tp(S.tp_args(spec, opts, max_len, tp), warmup)
@@ -288,13 +290,14 @@ def _warn_bench(given: frozenset, meths: list, temperature) -> None:
 
 
 class _Bench:
-    """The runs of one bench: finished ones in `results`, the one in progress in `partial`."""
+    """The runs of one bench: finished ones in `results`, those in progress in `partial`."""
 
-    def __init__(self, spec, encoded, plan, sp, max_new_tokens, seed, top1_first, progress, stage):
+    def __init__(self, spec, encoded, plan, sp, max_new_tokens, seed, top1_first, progress, stage, interleave=False):
         self.spec, self.encoded, self.plan, self.sp = spec, encoded, plan, sp
         self.max_new, self.seed, self.top1_first, self.progress, self.stage = max_new_tokens, seed, top1_first, progress, stage
+        self.interleave = interleave
         self.results: list[dict] = []
-        self.partial: tuple | None = None  # (method, budget, records) of the run in progress
+        self.partial: dict = {}  # (method, budget) -> records of each run in progress
         self.dec = None
         self.paths: dict = {}
         self.ar_tokens: dict[str, list[int]] = {}
@@ -326,20 +329,23 @@ class _Bench:
             logger.debug(f"warm-up done ({warmup} round(s) over the shortest and longest prompts per run, every "
                          f"prompt for auto and {settled} more pass(es) until one captured nothing, then one prefill "
                          "per prompt length and method)")
-        for method, budget in self.plan:
-            self.stage(f"running {_label(method, budget)}")
-            records: list = []
-            self.partial = (method, budget, records)
-            bar = tqdm(self.encoded, desc=f"{_label(method, budget):>10}", unit="prompt", file=sys.stderr,
+        # one group of runs at a time: each run over every prompt, or (--interleave) every run together, prompt by prompt
+        for group in [self.plan] if self.interleave else [[run] for run in self.plan]:
+            label = "every run, prompt by prompt" if self.interleave else _label(*group[0])
+            self.stage(f"running {label}")
+            self.partial = {run: [] for run in group}
+            bar = tqdm(self.encoded, desc=f"{'all' if self.interleave else label:>10}", unit="prompt", file=sys.stderr,
                        disable=not self.progress, leave=True, dynamic_ncols=True)
             for p, ids in bar:
-                records.append(gen(method, budget, ids, p.id, self.max_new))
-                if self.progress:
+                for (method, budget), records in self.partial.items():
+                    records.append(gen(method, budget, ids, p.id, self.max_new))
+                if self.progress and not self.interleave:
                     a = aggregate(records)
                     bar.set_postfix_str(f"{a['decode_tok_s']:.1f} tok/s, {a['tokens_per_target_forward']:.2f} tok/fwd")
             bar.close()
-            self.partial = None
-            self.finish_run(method, budget, records)
+            finished, self.partial = self.partial, {}
+            for (method, budget), records in finished.items():
+                self.finish_run(method, budget, records)
 
     # ---------------------------------------------------------------- tensor parallel
     def run_tp(self, args: dict, warmup: int) -> None:
@@ -348,22 +354,23 @@ class _Bench:
         tp = S.tp_module()
         S.flush_notices()
         warm = warmup_jobs(self.plan, self.encoded, warmup, self.max_new)
-        timed = [(m, b, p, ids, self.max_new) for m, b in self.plan for p, ids in self.encoded]
+        timed = ([(m, b, p, ids, self.max_new) for p, ids in self.encoded for m, b in self.plan] if self.interleave
+                 else [(m, b, p, ids, self.max_new) for m, b in self.plan for p, ids in self.encoded])
         jobs = [dict(method=m, budget=b if b is not None else 32, prompt_ids=ids, prompt_id=p.id, max_new_tokens=n)
                 for m, b, p, ids, n in warm + timed]
         self.stage(f"running {len(jobs)} generations under tensor parallelism")
         logger.info(f"tensor parallel: {len(warm)} warm-up and {len(timed)} timed generations on one set of workers")
         records = tp.run_generate_tp_jobs(args, jobs, decode_text=S.decode_text_fn(self.spec.tokenizer))[len(warm):]
-        n = len(self.encoded)
+        n, k = len(self.encoded), len(self.plan)
         for i, (method, budget) in enumerate(self.plan):
-            self.finish_run(method, budget, list(records[i * n:(i + 1) * n]))
+            self.finish_run(method, budget, list(records[i::k] if self.interleave else records[i * n:(i + 1) * n]))
 
     # ---------------------------------------------------------------- bookkeeping
     def keep_partial(self) -> None:
-        if self.partial is not None and self.partial[2]:
-            method, budget, records = self.partial
-            self.finish_run(method, budget, list(records), interrupted=True)
-        self.partial = None
+        for (method, budget), records in self.partial.items():
+            if records:
+                self.finish_run(method, budget, list(records), interrupted=True)
+        self.partial = {}
 
     def finish_run(self, method: str, budget, records: list, interrupted: bool = False) -> None:
         block = self.spec.block_size if method != "ar" else None
@@ -401,7 +408,7 @@ class _Bench:
         ar_rate = next((x for r, x in zip(self.results, rates) if r["method"] == "ar"), None) or None
         meta = model_metadata(self.spec, opts, prompts=str(prompts), methods=meths, budgets=buds, warmup=warmup,
                               limit=limit, max_length=max_len, top1_first=self.top1_first, interrupted=interrupted,
-                              prompt_tokens=opts.get("prompt_tokens"),
+                              prompt_tokens=opts.get("prompt_tokens"), interleave=bool(opts.get("interleave")),
                               **self.paths)
         keys = ("method", "budget", "budget_setting", "records", "block_size", "interrupted")
         doc = make_run_document(meta, [dict({k: r[k] for k in keys}, speedup_vs_ar=x / ar_rate if ar_rate else None)

@@ -159,6 +159,10 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("warmup", ("--warmup",), int, (BENCH,),
         "Uncounted warm-up generations per run (each generates the shortest and the longest prompt in full, so every "
         "graph is captured before timing)", default=1, metavar="N", min=0),
+    Opt("interleave", ("--interleave",), bool, (BENCH,),
+        "Time the runs prompt by prompt in turn (every run on the first prompt, then on the second, ...) instead of one "
+        "run over every prompt, then the next: a slow spell of the machine (a shared or throttling CPU) hits every "
+        "run alike", default=False, negative="--no-interleave"),
     Opt("out", ("--out", "-o"), Path, (BENCH, PLOT),
         {BENCH: "Result JSON (ddtree.stats/1; gzipped when PATH ends in .gz)",
          PLOT: "Folder for the PNGs (a --config file's out is bench's result file, not this folder)"},

@@ -356,6 +356,49 @@ def test_bench_tp2_matches_one_process(tiny_pair, tmp_path, one_thread):
     assert docs[2]["runs"][1]["exact_match_vs_ar"] is True
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bench_interleave_times_the_runs_prompt_by_prompt(tiny_pair, tmp_path, one_thread, tp):
+    """--interleave: every run on the first prompt, then every run on the second (in one process, and
+    in one set of tensor-parallel workers); the document holds the same runs, tokens and rounds as
+    the run-by-run bench, in the plan's order, and says it interleaved."""
+    from ddtree.decode import decoder
+
+    tdir, ddir = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "interleaved"}\n{"id": "b", "prompt": "bench order"}\n')
+    common = ["--target", str(tdir), "--drafter", str(ddir), "--prompts", str(prompts), "--methods", "ar,dflash,ddtree",
+              "--budgets", "4", "--max-new-tokens", "6", "--devices", "cpu", "--dtype", "float32", "--warmup", "0",
+              "--tp", str(tp)]
+    docs, order = {}, []
+    real = decoder.Decoder.generate
+
+    def gen(self, *a, **k):
+        order.append((k.get("method"), k.get("prompt_id")))
+        return real(self, *a, **k)
+
+    for flag in ("--no-interleave", "--interleave"):
+        order.clear()
+        out = tmp_path / f"{flag}.json"
+        with pytest.MonkeyPatch.context() as mp:
+            if tp == 1:
+                mp.setattr(decoder.Decoder, "generate", gen)
+            r = CliRunner().invoke(app, ["bench", *common, flag, "--out", str(out)])
+        assert r.exit_code == 0, (r.stderr, r.exception)
+        docs[flag] = read_json(out)
+        validate_document(docs[flag])
+        if tp == 1:
+            runs = [("ar", p) for p in "ab"], [("dflash", p) for p in "ab"], [("ddtree", p) for p in "ab"]
+            assert order == ([x for run in runs for x in run] if flag == "--no-interleave" else
+                             [run[i] for i in range(2) for run in runs])
+    assert docs["--interleave"]["metadata"]["interleave"] is True and docs["--no-interleave"]["metadata"]["interleave"] is False
+    for seq, inter in zip(docs["--no-interleave"]["runs"], docs["--interleave"]["runs"]):
+        assert (seq["method"], seq["budget"]) == (inter["method"], inter["budget"])
+        assert [p["prompt_id"] for p in inter["prompts"]] == ["a", "b"]
+        for p1, p2 in zip(seq["prompts"], inter["prompts"]):
+            assert p1["token_ids"] == p2["token_ids"] and p1["rounds"]["accepted"] == p2["rounds"]["accepted"]
+    assert all(run["exact_match_vs_ar"] for run in docs["--interleave"]["runs"][1:])
+
+
 def test_table_headline_is_tokens_per_forward():
     """--budget auto's plain steps count in tok/fwd; accept len covers the drafted rounds."""
     from ddtree.stats import GenerationRecord, RoundRecord, make_run_document, run_metadata

@@ -130,3 +130,22 @@ def test_bench_sigint_keeps_runs_and_prompts(tiny_pair, tmp_path, monkeypatch):
     assert doc["runs"][1]["exact_match_vs_ar"] is True  # checked on the prompts it finished
     assert doc["metadata"]["interrupted"] is True
     assert "dflash*" in r.stdout and "* dflash: interrupted, 1 prompt finished" in r.stdout
+
+
+def test_bench_interleave_sigint_keeps_every_runs_finished_prompts(tiny_pair, tmp_path, monkeypatch):
+    """--interleave: the runs take the prompts in turn (ar a, dflash a, ddtree a, ar b, ...); an
+    interrupt keeps each run's finished prompts, every run marked interrupted but ar, which finished
+    prompt b just before."""
+    calls = _interrupt_call(monkeypatch, at=6, signal_it=True)  # ar a, dflash a, ddtree a, ar b, dflash b, then SIGINT in ddtree b
+    out_json = tmp_path / "b.json"
+    r = CliRunner().invoke(app, ["bench", *map(str, _models(tiny_pair)[:6]), "--prompts", str(_prompts(tmp_path, 3)),
+                                 "--methods", "ar,dflash,ddtree", "--budgets", "4", "-n", "4", "--warmup", "0",
+                                 "--interleave", "--out", str(out_json)])
+    assert r.exit_code == 130, r.stderr
+    assert calls == ["a", "a", "a", "b", "b", "b"]
+    doc = read_json(out_json)
+    validate_document(doc)
+    assert doc["metadata"]["interleave"] is True
+    assert [(x["method"], x["interrupted"], [p["prompt_id"] for p in x["prompts"]]) for x in doc["runs"]] == [
+        ("ar", True, ["a", "b"]), ("dflash", True, ["a", "b"]), ("ddtree", True, ["a"])]
+    assert doc["runs"][1]["exact_match_vs_ar"] is True and doc["runs"][2]["exact_match_vs_ar"] is True

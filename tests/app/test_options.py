@@ -20,7 +20,7 @@ EXAMPLES = {
     "target": "some/target", "drafter": "some/drafter", "method": "dflash", "budget": "auto", "methods": "ar,ddtree",
     "budgets": "4,auto", "prompts": "math", "limit": 3, "max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9,
     "top_k": 5, "seed": 11, "dtype": "float16", "devices": "cpu", "max_length": 999, "raw": True, "thinking": False,
-    "top1_first": True, "tp": 2, "stats_json": "s.json", "jsonl": True, "warmup": 0, "out": "r.json",
+    "top1_first": True, "tp": 2, "stats_json": "s.json", "jsonl": True, "warmup": 0, "interleave": True, "out": "r.json",
     "verbose": True, "gpu_memory": "2x48GiB", "attention": "math", "prompt_tokens": 4096, "system": "be brief",
     "chat": True, "compiled": True,
 }

@@ -148,3 +148,43 @@ def test_rounds_against_traces_follow_each_round_to_its_position():
     assert got["ddtree-8"]["rounds"] == 3 and got["ddtree-8"]["equal"] == 2 and got["ddtree-8"]["accepted_traced"] == 4 / 3
     assert got["ddtree-auto"] == {"rounds": 2, "equal": 2, "accepted_live": 2.0, "accepted_traced": 2.0}
     assert "ar" not in got
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cuda:0"]])
+def test_bench_replay_takes_the_clock_of_the_documents_device(tmp_path, devices):
+    """scripts/simulate_auto.py --bench: a CPU document is replayed with a CPU's clock (a round runs
+    when it is queued), a GPU's with the device's; each gives what simulate gives with that clock."""
+    pytest.importorskip("scipy")
+    import json
+
+    from scripts.simulate_auto import bench_costs, main
+
+    tr = traces(0.8, 0.7, prompts=2, n=64)  # trees pay in some rounds: the clocks time them differently
+
+    def run(method, budget, round_ms, verify_ms, setting=None):
+        prompts = [{"prompt_id": f"p{i}", "num_rounds": 10, "decode_s": round_ms / 100, "new_tokens": 64,
+                    "rounds": {"times_ms": {"verify": [verify_ms] * 10}, "tree_size": [], "accepted": []}}
+                   for i in range(2)]
+        return {"method": method, "budget": budget, "budget_setting": setting, "prompts": prompts,
+                "aggregate": {"decode_tok_s": 100.0, "num_prompts": 2}}
+
+    doc = {"metadata": {"devices": devices},
+           "runs": [run("ar", None, 10.0, 9.3), run("dflash", None, 29.0, 21.7)]
+           + [run("ddtree", b, 28.0 + b / 4, 19.0 + b / 4) for b in (8, 16, 32, 64)]
+           + [run("ddtree", 64, 12.0, 9.5, setting="auto")]}
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "codepair-drafter-float32.json").write_text(json.dumps(doc))
+    trace_file = tmp_path / "traces.json.gz"
+    import gzip
+
+    with gzip.open(trace_file, "wt") as f:
+        f.write(json.dumps({"drafters": {"drafter": [{"prompt": f"p{i}", "positions": t} for i, t in enumerate(tr)]}}))
+    out = tmp_path / "sim.json"
+    assert main(["--bench", str(bench), "--traces", str(trace_file), "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    cpu = devices == ["cpu"]
+    assert row["clock"] == ("cpu" if cpu else "device")
+    want = simulate(tr, bench_costs(doc)[0], n=64, sync=cpu)
+    assert row["tok_per_ms"] == pytest.approx(want["tok_per_ms"])
+    assert row["tok_per_ms"]["auto"] != pytest.approx(simulate(tr, bench_costs(doc)[0], n=64, sync=not cpu)["tok_per_ms"]["auto"])
