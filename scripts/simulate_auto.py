@@ -467,7 +467,8 @@ def replay_bench(traces: dict, args) -> int:
         prompts = ar["aggregate"]["num_prompts"]  # the bench's own prompts: the first ones of the traces
         picked = slice(0, prompts) if args.trace_prompts is None else slice(*(int(v) for v in args.trace_prompts.split(":")))
         tokens = min(args.tokens_per_prompt, max(p["new_tokens"] for p in ar["prompts"]))
-        cpu = all(str(d).startswith("cpu") for d in doc["metadata"].get("devices", []))  # a round runs as it is queued
+        devices = doc["metadata"].get("devices") or []
+        cpu = bool(devices) and all(str(d).startswith("cpu") for d in devices)  # a round runs as it is queued
         row = simulate([x["positions"] for x in traces["drafters"][name]][picked], costs, n=tokens, sync=cpu)
         best_live = max((k for k in FIXED if k in live), key=live.get)
         row.update(drafter=name, dtype=dtype, clock="cpu" if cpu else "device", prompts=prompts, trace_prompts=[picked.start, picked.stop], tokens=tokens, live_tok_s=live, live_best_fixed=best_live,

@@ -201,8 +201,7 @@ def run_bench(
     option that has no effect in the combination given gets one warning line)."""
     stage = stage or (lambda s: None)
     opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_new_tokens=max_new_tokens,
-                raw=raw, thinking=thinking, tp=tp, top1_first=top1_first, prompt_tokens=prompt_tokens,
-                interleave=bool(interleave))
+                raw=raw, thinking=thinking, tp=tp, top1_first=top1_first, prompt_tokens=prompt_tokens)
     # ---- every check that needs no torch
     meths = parse_methods(methods)
     buds = parse_budgets(budgets) if "ddtree" in meths else []
@@ -408,7 +407,7 @@ class _Bench:
         ar_rate = next((x for r, x in zip(self.results, rates) if r["method"] == "ar"), None) or None
         meta = model_metadata(self.spec, opts, prompts=str(prompts), methods=meths, budgets=buds, warmup=warmup,
                               limit=limit, max_length=max_len, top1_first=self.top1_first, interrupted=interrupted,
-                              prompt_tokens=opts.get("prompt_tokens"), interleave=bool(opts.get("interleave")),
+                              prompt_tokens=opts.get("prompt_tokens"), interleave=self.interleave,
                               **self.paths)
         keys = ("method", "budget", "budget_setting", "records", "block_size", "interrupted")
         doc = make_run_document(meta, [dict({k: r[k] for k in keys}, speedup_vs_ar=x / ar_rate if ar_rate else None)

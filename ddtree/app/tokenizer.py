@@ -27,7 +27,6 @@ NEUTRAL_KEYS = frozenset({
     "chat_template", "auto_map", "processor_class", "name_or_path",
 })
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
-TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 def _content(tok: Any) -> str | None:
@@ -47,7 +46,7 @@ def config_special_tokens(cfg: dict) -> list[str]:
     return [t for t in out if t]
 
 
-def direct_reason(model_dir: Path, cfg: dict, file_added: dict[str, bool]) -> str | None:
+def direct_reason(cfg: dict, file_added: dict[str, bool]) -> str | None:
     """Why this checkpoint needs transformers to tokenize exactly as PreTrainedTokenizerFast does
     (None: JsonTokenizer does). file_added: tokenizer.json's added tokens -> special flag."""
     extra = sorted(set(cfg) - NEUTRAL_KEYS)
@@ -100,7 +99,7 @@ class JsonTokenizer:
         backend.no_truncation()  # transformers encodes without the file's truncation and padding
         backend.no_padding()
         added = {t.content: t.special for t in backend.get_added_tokens_decoder().values()}
-        why = direct_reason(model_dir, cfg, added)
+        why = direct_reason(cfg, added)
         return (None, why) if why else (cls(model_dir, backend, cfg), None)
 
     def __len__(self) -> int:
