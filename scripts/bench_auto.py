@@ -60,6 +60,9 @@ def main(argv=None) -> int:
                          "machine hits every method alike")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "results")
     args = ap.parse_args(argv)
+    from ddtree.app.cli import setup_logging
+
+    setup_logging(False)  # INFO: loguru's default sink would time auto's per-round debug lines
     from ddtree.app.bench import run_bench
 
     args.out_dir.mkdir(parents=True, exist_ok=True)

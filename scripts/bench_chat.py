@@ -161,6 +161,9 @@ def main():
     ap.add_argument("--passes", type=int, default=3, help="runs of the whole conversation (a turn's chat TTFT: their median)")
     ap.add_argument("--out", default="results/chat.json")
     args = ap.parse_args()
+    from ddtree.app.cli import setup_logging
+
+    setup_logging(False)  # INFO: loguru's default sink would time auto's per-round debug lines
     small = dict(system_tokens=256, turns=3, turn_tokens=20, reply_tokens=8, decode_tokens=16)
     full = dict(system_tokens=16384, turns=8, turn_tokens=200, reply_tokens=64, decode_tokens=256)
     for k, v in (small if args.tiny else full).items():

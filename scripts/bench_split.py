@@ -140,6 +140,9 @@ def main():
     ap.add_argument("--no-exactness", action="store_true", help="skip the float32 token-equality check")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
+    from ddtree.app.cli import setup_logging
+
+    setup_logging(False)  # INFO: loguru's default sink would time auto's per-round debug lines
     if not torch.cuda.is_available():
         sys.exit("bench_split.py needs a CUDA GPU")
     devices = [d.strip() for d in a.devices.split(",")]

@@ -147,6 +147,9 @@ def main():
     ap.add_argument("--prefill", default=None,
                     help="comma-separated prompt lengths: profile the prefill at each (kernels, categories) instead of rounds")
     a = ap.parse_args()
+    from ddtree.app.cli import setup_logging
+
+    setup_logging(False)  # INFO: loguru's default sink would time auto's per-round debug lines
     if not torch.cuda.is_available():
         sys.exit("profile_round.py needs a CUDA GPU")
     from torch.profiler import ProfilerActivity, profile

@@ -110,7 +110,10 @@ app = typer.Typer(
 )
 
 
-def _setup_logging(verbose: bool) -> None:
+def setup_logging(verbose: bool) -> None:
+    """ddtree's log lines on stderr: INFO and up, DEBUG too when verbose (--budget auto then writes a
+    line per round). Scripts that drive the library call it too: loguru's default sink takes DEBUG,
+    and a line per round would time the logging with the rounds."""
     logger.remove()
     logger.add(
         lambda m: sys.stderr.write(m),  # resolved at write time (works under test runners too)
@@ -215,7 +218,7 @@ def _command(name: str, body: Callable[..., Any], doc: str) -> None:
         NOTICES.clear()  # (in-process runs: nothing left over from a command that failed)
         arguments = {o.name: values.pop(o.name) for o in table if o.argument}
         opts, given = resolve_options(name, values)
-        _setup_logging(bool(opts["verbose"]))
+        setup_logging(bool(opts["verbose"]))
         _persistent_caches()
         opts.pop("verbose")
         return body(opts, given, **arguments)
