@@ -5,7 +5,7 @@ to auto needs where single runs differ by a few percent.
     python scripts/auto_ab.py --commits d7cc2b1,HEAD --reps 3 --out results/auto-cpu.json
 
 Each commit is checked out once (git worktree, under --work); then, rep by rep and drafter by drafter,
-each commit runs `OMP_NUM_THREADS=1 python -m ddtree bench --methods ar,ddtree --budgets auto` on the
+each commit runs `OMP_NUM_THREADS=1 python -m ddtree bench --methods ar,ddtree --budgets auto --interleave` on the
 codepair fixture (8 prompts x 128 new tokens, float32, greedy) in a fresh process, the commits in
 turn, so a slow spell of the machine hits both. The document: per commit and drafter, each rep's ar
 and auto decode tok/s, auto / ar, auto's plain-step share, and the median of auto / ar.
@@ -40,7 +40,7 @@ def bench(tree: Path, fixture: Path, drafter: str, out: Path, limit: int, tokens
     cmd = [sys.executable, "-m", "ddtree", "bench", "--target", str(fixture / "target"), "--drafter",
            str(fixture / drafter), "--prompts", str(fixture / "prompts.jsonl"), "--raw", "--devices", "cpu",
            "--dtype", "float32", "--temperature", "0", "--limit", str(limit), "--max-new-tokens", str(tokens),
-           "--methods", "ar,ddtree", "--budgets", "auto", "--out", str(out)]
+           "--methods", "ar,ddtree", "--budgets", "auto", "--interleave", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
     subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True)
     doc = json.loads(out.read_text())
