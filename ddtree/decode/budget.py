@@ -186,12 +186,9 @@ class BudgetChooser:
         return any((1 + self.ratio() * eq[b]) * plain >= min(self.cost(b), self.verify_ms[b]) for b in budgets)
 
     def wants_tree(self, eq: dict[int, float]) -> bool:
-        """During plain steps: would the chooser take a tree of the latest E_q, on the measurements
-        now? (Then the next plain step drafts: a probe before its interval is up.) The same question
-        as pick_eq asks, so a probe is not drafted where the choice after it would be a plain step:
-        the average alone (plain_pays) says trees pay where the latest tree is not worth its verify,
-        and on a CPU each such probe cost a drafting step and its sample's verify."""
-        return self.plain_ms is not None and bool(eq) and self.pick_eq(eq)[0] != 0
+        """During plain steps: would trees pay now, on the measurements? (Then the next plain step
+        drafts: a probe before its interval is up.)"""
+        return self.plain_ms is not None and bool(eq) and not self.plain_pays(eq)
 
     def build_for(self, b: int, r: int) -> int:
         """The budget of the tree round r's step stages for round r + 1, given round r's own budget

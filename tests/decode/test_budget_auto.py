@@ -305,19 +305,6 @@ def test_a_tree_not_worth_its_verify_buys_a_plain_step():
     assert same_gpu.pick_eq({4: 0.3, 15: 0.6})[0] in (4, 15)  # the same round where verifies are cheap
 
 
-def test_a_probe_before_its_interval_only_where_a_tree_would_be_chosen():
-    """wants_tree (a plain run drafts before its interval is up) asks what pick_eq asks: where the
-    average says trees pay but the latest tree is not worth its verify (a CPU's costs), no probe;
-    where the latest tree would be chosen, one."""
-    ch = _among_trees({4: 15.0, 15: 22.0}, {4: 25.0, 15: 31.0}, plain_ms=9.5)
-    poor = {4: 0.3, 15: 0.6}
-    assert not ch.plain_pays(poor) and ch.pick_eq(poor) == (0, 0.0)
-    assert not ch.wants_tree(poor)
-    good = {4: 1.5, 15: 3.0}
-    assert ch.pick_eq(good)[0] in (4, 15) and ch.wants_tree(good)
-    assert not BudgetChooser({4: 15.0}).wants_tree(good)  # no plain_ms: no plain steps to leave
-
-
 def test_a_probe_tree_restarts_the_eq_average():
     """The E_q average that decides plain steps against trees restarts at a probe's tree: trees
     averaged before a plain run say nothing of the text after it."""
