@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench_auto import summarise  # noqa: E402
 
 
 def checkout(ref: str, work: Path) -> tuple[str, Path]:
@@ -43,14 +46,10 @@ def bench(tree: Path, fixture: Path, drafter: str, out: Path, limit: int, tokens
            "--methods", "ar,ddtree", "--budgets", "auto", "--interleave", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
     subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True)
-    doc = json.loads(out.read_text())
-    runs = {r["method"]: r for r in doc["runs"]}
-    ar, auto = runs["ar"]["aggregate"], runs["ddtree"]["aggregate"]
-    hist = auto.get("tree_size", {}).get("histogram", {})
-    return {"ar_tok_s": round(ar["decode_tok_s"], 2), "auto_tok_s": round(auto["decode_tok_s"], 2),
-            "auto_vs_ar": round(auto["decode_tok_s"] / ar["decode_tok_s"], 4),
-            "auto_plain_share": round(hist.get("0", 0) / (sum(hist.values()) or 1), 3),
-            "exact": runs["ddtree"].get("exact_match_vs_ar")}
+    s = summarise(json.loads(out.read_text()))
+    ar, auto = s["tok_s"]["ar"], s["tok_s"]["ddtree-auto"]
+    return {"ar_tok_s": round(ar, 2), "auto_tok_s": round(auto, 2), "auto_vs_ar": round(auto / ar, 4),
+            "auto_plain_share": round(s["auto_plain_share"], 3), "exact": s["all_exact"]}
 
 
 def main(argv=None) -> int:

@@ -47,8 +47,10 @@ def stage_ms(prompt: dict, i: int) -> float:
 
 def losses(doc: dict) -> dict:
     """One document's breakdown (see the module docstring)."""
-    ar = next(r for r in doc["runs"] if r["method"] == "ar")
-    auto = next(r for r in doc["runs"] if r["method"] == "ddtree" and r.get("budget_setting") == "auto")
+    from scripts.bench_auto import label
+
+    runs = {label(r): r for r in doc["runs"]}
+    ar, auto = runs["ar"], runs["ddtree-auto"]
     ar_decode = sum(p["decode_s"] for p in ar["prompts"]) * 1e3
     ar_stages = sum(stage_ms(p, i) for p in ar["prompts"] for i in range(p["num_rounds"]))
     ar_tokens = sum(sum(p["rounds"]["committed"]) for p in ar["prompts"])
