@@ -2,9 +2,9 @@
 """--budget auto of two commits against `ar`, alternated on a quiet CPU: the A/B that a policy change
 to auto needs where single runs differ by a few percent.
 
-    python scripts/auto_ab.py --commits d7cc2b1,HEAD --reps 3 --out results/auto-cpu.json
+    python scripts/auto_ab.py --commits 01724fa,HEAD --reps 3 --out results/auto-ab-cpu.json
 
-Each commit is checked out once (git worktree, under --work); then, rep by rep and drafter by drafter,
+Each commit is checked out once (a git worktree under --work, removed at the end); then, rep by rep and drafter by drafter,
 each commit runs `OMP_NUM_THREADS=1 python -m ddtree bench --methods ar,ddtree --budgets auto --interleave` on the
 codepair fixture (8 prompts x 128 new tokens, float32, greedy) in a fresh process, the commits in
 turn, so a slow spell of the machine hits both. The document: per commit and drafter, each rep's ar
@@ -61,22 +61,26 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "ddtree-auto-ab")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "auto-cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "auto-ab-cpu.json")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     trees = [checkout(ref, args.work) for ref in args.commits.split(",")]
     fixture = args.fixture.resolve()
     runs: dict[tuple[str, str], list] = {}
-    for rep in range(1, args.reps + 1):
-        for drafter in args.drafters.split(","):
-            for sha, tree in trees:
-                t0 = time.perf_counter()
-                got = bench(tree, fixture, drafter, args.work / f"{sha}-{drafter}-{rep}.json", args.limit,
-                            args.max_new_tokens)
-                runs.setdefault((sha, drafter), []).append(dict(rep=rep, **got))
-                print(f"rep {rep} {drafter} {sha}: ar {got['ar_tok_s']:.1f}, auto {got['auto_tok_s']:.1f} tok/s, "
-                      f"auto / ar {got['auto_vs_ar']:.3f}, plain {got['auto_plain_share']:.0%} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    try:
+        for rep in range(1, args.reps + 1):
+            for drafter in args.drafters.split(","):
+                for sha, tree in trees:
+                    t0 = time.perf_counter()
+                    got = bench(tree, fixture, drafter, args.work / f"{sha}-{drafter}-{rep}.json", args.limit,
+                                args.max_new_tokens)
+                    runs.setdefault((sha, drafter), []).append(dict(rep=rep, **got))
+                    print(f"rep {rep} {drafter} {sha}: ar {got['ar_tok_s']:.1f}, auto {got['auto_tok_s']:.1f} tok/s, "
+                          f"auto / ar {got['auto_vs_ar']:.3f}, plain {got['auto_plain_share']:.0%} "
+                          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    finally:  # the bench documents stay in --work; the checkouts leave the repository's worktree list
+        for _, tree in trees:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
     rows = [{"code": sha, "drafter": d, "runs": rs, "median_auto_vs_ar": statistics.median(r["auto_vs_ar"] for r in rs)}
             for (sha, d), rs in runs.items()]
     print("\n| drafter | " + " | ".join(sha for sha, _ in trees) + " |\n|---|" + "---|" * len(trees))
