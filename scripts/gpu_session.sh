@@ -5,7 +5,7 @@
 # fixture as .fixture/codepair.tar.xz; outputs go to $OUT (default /tmp/ddtree-out).
 #   scripts/gpu_session.sh chat        # 27B shapes: chat TTFT table, memory plan at 32K and 128K
 #   scripts/gpu_session.sh suite       # codepair: the GPU test suite
-#   scripts/gpu_session.sh auto        # codepair: --budget auto against the fixed methods; start-up cold and warm
+#   scripts/gpu_session.sh auto        # codepair: --budget auto against the fixed methods
 #   scripts/gpu_session.sh verify      # 27B shapes: the fused GDN tree kernel at 33 / 65 nodes, the 1K engine with it
 #   scripts/gpu_session.sh startup     # codepair: start-up cold and warm (generate, selftest, generate under cProfile);
 #                                      # 27B shapes: the memory plan at 32K
@@ -16,6 +16,7 @@
 #   scripts/gpu_session.sh imports     # codepair: the setup phase step by step and python -X importtime, three fresh processes
 #   scripts/gpu_session.sh split       # 27B shapes: two stages on one GPU (the graphed split, the default) against one
 #                                      # (SPLIT_ARGS=--no-eager: without the eager twin's timing)
+#   scripts/gpu_session.sh startup auto  # several groups, in order, in one call
 set -u -o pipefail
 OUT=${OUT:-/tmp/ddtree-out}
 mkdir -p "$OUT"
@@ -34,7 +35,9 @@ step() {  # step SECONDS LOGNAME COMMAND...: one run, its output teed under $OUT
     echo "== rc ${PIPESTATUS[0]} in $((SECONDS - t0))s" | tee -a "$OUT/$log"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-case "${1:-}" in
+[ $# -gt 0 ] || set -- none
+for group in "$@"; do
+case "$group" in
 chat)
     step 360 chat.log python3 scripts/bench_chat.py --out "$OUT/chat-h200.json"
     step 150 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-h200.json"
@@ -48,9 +51,6 @@ auto)
     fixture
     step 380 auto.log python3 scripts/bench_auto.py --fixture .fixture/codepair --out-dir "$OUT/auto"
     tar -czf "$OUT/auto.tar.gz" -C "$OUT" auto && rm -rf "$OUT/auto"
-    step 200 startup.log python3 scripts/bench_startup.py --codepair .fixture/codepair --cases generate,selftest \
-        --timeout 110 --logs "$OUT/startup-logs" --out "$OUT/startup-h200.json"
-    tar -czf "$OUT/startup-logs.tar.gz" -C "$OUT" startup-logs && rm -rf "$OUT/startup-logs"
     ;;
 verify)
     step 240 verify.log python3 scripts/bench_verify.py --parts core --nodes 33,65 --blocks --tiles --out "$OUT/verify-fused-33-65-h200.json"
@@ -90,3 +90,4 @@ split)
     exit 2
     ;;
 esac
+done
