@@ -18,6 +18,13 @@
 #                                      # (SPLIT_ARGS=--no-eager: without the eager twin's timing)
 #   scripts/gpu_session.sh startup auto  # several groups, in order, in one call
 set -u -o pipefail
+GROUPS_KNOWN="chat suite auto startup gemms autoprof imports verify split"
+[ $# -gt 0 ] || set -- ""
+for group in "$@"; do  # every name checked before anything is installed or run
+    known=no
+    for g in $GROUPS_KNOWN; do [ "$group" = "$g" ] && known=yes; done
+    [ $known = yes ] || { echo "error: name groups among: $GROUPS_KNOWN (got '$group')" >&2; exit 2; }
+done
 OUT=${OUT:-/tmp/ddtree-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -35,7 +42,6 @@ step() {  # step SECONDS LOGNAME COMMAND...: one run, its output teed under $OUT
     echo "== rc ${PIPESTATUS[0]} in $((SECONDS - t0))s" | tee -a "$OUT/$log"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-[ $# -gt 0 ] || set -- none
 for group in "$@"; do
 case "$group" in
 chat)
@@ -84,10 +90,6 @@ imports)
     ;;
 split)
     step 500 split.log python3 scripts/bench_split.py ${SPLIT_ARGS:-} --out "$OUT/split-h200.json"
-    ;;
-*)
-    echo "error: name a group: chat, suite, auto, startup, gemms, autoprof, imports, verify or split" >&2
-    exit 2
     ;;
 esac
 done
