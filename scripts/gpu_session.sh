@@ -27,8 +27,27 @@ for group in "$@"; do  # every name checked before anything is installed or run
 done
 OUT=${OUT:-/tmp/ddtree-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# Bytecode as on a user's machine, where pip writes it at install and later processes read it: the
+# image sets PYTHONDONTWRITEBYTECODE=1, so every process would compile the modules that have no
+# .pyc (this repository, any package installed without one) from source again. Python may write it;
+# where the installed packages' folders lack it and are read-only, it goes under a prefix folder.
+unset PYTHONDONTWRITEBYTECODE
+eval "$(python3 - 2>&1 <<'EOF' | tee -a "$OUT/bytecode.log"
+import os, sys, transformers
+root = os.path.dirname(transformers.__file__)
+py = pyc = 0
+for d, _, files in os.walk(root):
+    py += sum(f.endswith(".py") for f in files)
+    pyc += sum(f.endswith(".pyc") for f in files)
+writable = os.access(root, os.W_OK)
+print(f"# transformers: {py} .py, {pyc} .pyc, folder writable: {writable}")
+if pyc < py // 2 and not writable:
+    print("export PYTHONPYCACHEPREFIX=/tmp/ddtree-pycache")
+EOF
+)"
+echo "# PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-}" | tee -a "$OUT/bytecode.log"
 export DDTREE_COMMIT=${DDTREE_COMMIT:-$(git rev-parse --short HEAD)}  # the device copy's HEAD can lag: pass DDTREE_COMMIT=<hash> from here
 fixture() {
     [ -d .fixture/codepair ] || python3 -c "import tarfile; tarfile.open('.fixture/codepair.tar.xz').extractall('.fixture')"

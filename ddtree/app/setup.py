@@ -561,6 +561,7 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
                 room: int | None = None, auto: bool = False, snapshots: int = 0) -> Loaded:
     from ddtree.app.plan import plan_for_devices
     from ddtree.decode.decoder import Decoder
+    from ddtree.decode.round import reserve_deferred
     from ddtree.model.checkpoint import load_drafter, load_target
     from ddtree.options import Options
 
@@ -582,6 +583,8 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
                                   device=split.drafter_device if split else None,
                                   stage=split.drafter_stage if split else None)
     loaded = Loaded(spec=spec, decoder=Decoder(target, drafter, max_len=max_len, options=options), max_len=max_len)
+    if auto and drafter is not None:  # --budget auto's deferred context with the models, as the plan counts it
+        reserve_deferred(loaded.decoder)
     log_setup(loaded)
     return loaded
 

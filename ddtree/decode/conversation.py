@@ -183,7 +183,8 @@ class Conversation:
         """One turn: prompt ids (the whole conversation, rendered) -> the reply. Resumes from the
         latest boundary inside the common prefix, prefills the rest with snapshots at `marks`
         (`pin`: the one kept) and at the prompt's end, then decodes. The record's ttft_s is the
-        turn's whole time to its first token (restore and prefill)."""
+        turn's whole time to its first token (restore and prefill; the token goes to on_tokens
+        before the drafter's first block)."""
         dec, dev = self.dec, self.dec.device
         taps = job.method != "ar"
         self.last = None
@@ -199,18 +200,23 @@ class Conversation:
                 self._snapshot(m, pinned=m in pin)
                 a = m
         self.live = None
-        pre = dec.prefill(ids, job, start=a, taps=taps)
-        self._committed(ids, len(ids), taps)
-        self._snapshot(len(ids))
-        pre.ttft_s = time.perf_counter() - t0
-        self.last = Reuse(common, p, len(ids) - p, snap is not None)
         got: list[int] = []
+        t_first: list[float] = []
 
         def emitted(toks: list[int]) -> None:
             got.extend(toks)
             if on_tokens:
                 on_tokens(toks)
 
+        def first(tok: int) -> None:  # the reply's first token, before the drafter's first block
+            emitted([tok])
+            t_first.append(time.perf_counter())
+
+        pre = dec.prefill(ids, job, start=a, taps=taps, on_first=first)
+        self._committed(ids, len(ids), taps)
+        self._snapshot(len(ids))
+        pre.ttft_s = (t_first[0] if t_first else time.perf_counter()) - t0
+        self.last = Reuse(common, p, len(ids) - p, snap is not None)
         self.live = None  # the rounds move it past what the host reads
         try:
             return dec.decode(pre, job, stop_ids, emitted)

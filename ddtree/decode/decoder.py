@@ -70,8 +70,10 @@ class Prefilled:
     prompt_len: int
     bonus: int  # the first new token
     draft: Draft | None  # the drafter's first block (job.k columns)
-    ttft_s: float
+    ttft_s: float  # to the first token on the host (before the drafter's first block where it was shown early)
     gen: torch.Generator | None  # the sampling generator, carried on into decode
+    prefill_s: float = 0.0  # the whole prefill, the drafter's first block included
+    shown: bool = False  # the first token went to on_first already (decode does not emit it again)
 
 
 def _log():
@@ -293,22 +295,14 @@ class Decoder:
 
     # ------------------------------------------------------------------ generate = prefill + decode
     @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: list[int],
-        method: str = "ddtree",
-        budget: int | str = 32,
-        sampling: SamplingParams = SamplingParams(),
-        max_new_tokens: int = 128,
-        stop_ids: set[int] | frozenset = frozenset(),
-        seed: int | None = 0,
-        top1_first: bool = False,
-        on_tokens: Callable[[list[int]], None] | None = None,
-        prompt_id: str = "",
-        decode_text: Callable[[list[int]], str] | None = None,
-    ) -> GenerationRecord:
+    def generate(self, prompt_ids: list[int], method: str = "ddtree", budget: int | str = 32,
+                 sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
+                 stop_ids: set[int] | frozenset = frozenset(), seed: int | None = 0, top1_first: bool = False,
+                 on_tokens: Callable[[list[int]], None] | None = None, prompt_id: str = "",
+                 decode_text: Callable[[list[int]], str] | None = None) -> GenerationRecord:
+        """prefill + decode; on_tokens gets the tokens as they come (the first one before the drafter's first block)."""
         job = self.job(method, budget, sampling, max_new_tokens, seed, top1_first, len(prompt_ids))
-        pre = self.prefill(prompt_ids, job)
+        pre = self.prefill(prompt_ids, job, on_first=(lambda t: on_tokens([t])) if on_tokens else None)
         rec = self.decode(pre, job, stop_ids, on_tokens)
         rec.prompt_id, rec.text = prompt_id, decode_text(rec.token_ids) if decode_text else ""
         return rec
@@ -340,7 +334,7 @@ class Decoder:
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int], job: Job, start: int = 0, taps: bool | None = None,
-                fast: bool | None = None) -> Prefilled:
+                fast: bool | None = None, on_first: Callable[[int], None] | None = None) -> Prefilled:
         """Reset the state, run the prompt through the target (in chunks; the drafter's context
         grows chunk by chunk), choose the first token and draft the first block. The generator
         (job's seed) carries on into `decode`.
@@ -349,7 +343,8 @@ class Decoder:
         holds prompt_ids[:start] (and the drafter's context, where taps are on, start rows), so
         only the rest is prefilled (ddtree.decode.conversation). taps: the drafter's context
         from the prompt (default: for every method but `ar`). fast: the compiled prefill layers,
-        fla and the compiled drafter (True) or their eager twins (False); default the rule below."""
+        fla and the compiled drafter (True) or their eager twins (False); default the rule below.
+        on_first(token): the first token, before the drafter's first block (a second sync: a user waits for it)."""
         tgt, dev = self.target, self.device
         drafts = job.method != "ar"
         taps_on = drafts if taps is None else taps and self.drafter is not None
@@ -377,7 +372,10 @@ class Decoder:
             logits, _ = tgt.prefill(prompt, start=start, want_taps=taps_on,
                                     on_taps=self.drafter.add_context if taps_on else None, fast=fast)
             bonus_d = choose(logits[None], job.sampling, gen)[0]
-            draft = None
+            draft, t_first = None, None
+            if drafts and on_first is not None:
+                on_first(int(bonus_d))
+                t_first = time.perf_counter()
             if drafts:
                 k = job.k
                 lp, ids = self.draft_topk(bonus_d, self.kv_len(len(prompt_ids)), k, job.sampling)
@@ -388,7 +386,9 @@ class Decoder:
                 bonus = draft.bonus
             else:
                 bonus = int(bonus_d)  # the one sync of the prefill
-        return Prefilled(len(prompt_ids), bonus, draft, time.perf_counter() - t0, gen)
+        t_end = time.perf_counter()
+        return Prefilled(len(prompt_ids), bonus, draft, (t_first or t_end) - t0, gen, prefill_s=t_end - t0,
+                         shown=t_first is not None)
 
     @torch.no_grad()
     def decode(self, pre: Prefilled, job: Job, stop_ids=frozenset(),
@@ -397,7 +397,7 @@ class Decoder:
         loop (--top1-first, DDTREE_HOST_ROUNDS=1, or a tree the device builder cannot fill)."""
         dev, method, sampling, gen = self.device, job.method, job.sampling, pre.gen
         out = [pre.bonus]
-        if on_tokens:
+        if on_tokens and not pre.shown:
             on_tokens([pre.bonus])
         start = pre.prompt_len
         self.start_d.fill_(start)
@@ -427,7 +427,7 @@ class Decoder:
         clock.fill(rounds, pending)
         return GenerationRecord(
             prompt_id="", prompt_tokens=pre.prompt_len, new_tokens=len(out), token_ids=out, text="",
-            prefill_s=pre.ttft_s, decode_s=decode_s, ttft_s=pre.ttft_s, method=method,
+            prefill_s=pre.prefill_s or pre.ttft_s, decode_s=decode_s, ttft_s=pre.ttft_s, method=method,
             budget=(job.budget if not job.auto else None) if method == "ddtree" else None, rounds=rounds,
         )
 

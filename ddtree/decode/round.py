@@ -70,6 +70,15 @@ class DeferredContext:
         self.count.zero_()
 
 
+def reserve_deferred(dec) -> None:
+    """The decoder's DeferredContext, once: at load where the run is --budget auto (the memory
+    plan counts it with the models), else at the first auto generation (before any capture:
+    graphs keep its buffers' addresses)."""
+    if dec.deferred is None:
+        width = dec.target.cfg.hidden_size * len(dec.target.tap_layers)
+        dec.deferred = DeferredContext(width, dec.drafter.device, dec.target.dtype)
+
+
 class Pipeline:
     """Runs the rounds of one generation for `policy` (see the module docstring)."""
 
@@ -79,9 +88,8 @@ class Pipeline:
         self.packet = Packet(policy.P, policy.E)
         self.ring = HostRing(self.packet.size, dec.device)
         self.zeros = dec.statics.full(policy.E, 0.0) if policy.E else None
-        if policy.defers and dec.deferred is None:  # before any capture: graphs keep its buffers' addresses
-            width = dec.target.cfg.hidden_size * len(dec.target.tap_layers)
-            dec.deferred = DeferredContext(width, dec.drafter.device, dec.target.dtype)
+        if policy.defers:
+            reserve_deferred(dec)
         if dec.deferred is not None:
             dec.deferred.count.zero_()  # a generation starts with nothing deferred
 

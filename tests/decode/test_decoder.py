@@ -246,6 +246,34 @@ def test_on_tokens_streams_exactly_the_output(hybrid0):
         o.restore()
 
 
+def test_first_token_streams_before_the_drafters_first_block(hybrid0):
+    """The prefill hands the first token to on_tokens as soon as the target chose it: the drafter's
+    first block (as long as several rounds) runs after it. The record's ttft_s is that moment;
+    prefill_s the whole prefill, block included. Without a callback nothing changes."""
+    dec = hybrid0
+    prompt = _prompt(6, 12)
+    events: list = []
+    draft = dec.draft_topk
+
+    def spy(*a, **k):
+        events.append("draft")
+        return draft(*a, **k)
+
+    dec.draft_topk = spy
+    try:
+        for method, budget in (("dflash", 1), ("ddtree", 8), ("ddtree", "auto")):
+            events.clear()
+            rec = dec.generate(prompt, method, budget=budget, max_new_tokens=12,
+                               on_tokens=lambda t: events.append(list(t)))
+            assert events[0] == [rec.token_ids[0]] and events[1] == "draft", (method, events[:3])
+            assert [t for e in events if e != "draft" for t in e] == rec.token_ids
+            assert 0 < rec.ttft_s < rec.prefill_s
+            plain = dec.generate(prompt, method, budget=budget, max_new_tokens=12)
+            assert plain.token_ids == rec.token_ids and plain.ttft_s == plain.prefill_s
+    finally:
+        del dec.draft_topk
+
+
 def test_stop_token_as_first_token(hybrid0):
     dec = hybrid0
     prompt = _prompt(3, 7)
