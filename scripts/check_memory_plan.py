@@ -117,8 +117,8 @@ def planned_components(cfg, dcfg, split, wl) -> dict[str, dict[str, int]]:
 
 
 def measure_build(raw_t, raw_d, devices, dtype, max_len):
-    """Build, snapshotting memory at the component boundaries of build_random_on_devices; then
-    --budget auto's DeferredContext as ddtree.decode.round.Pipeline makes it."""
+    """Build, snapshotting memory at the component boundaries of build_random_on_devices, with
+    --budget auto's DeferredContext made beside the drafter's state."""
     gpus = list(dict.fromkeys(gpu_of(d) for d in devices))
     marks: dict[str, dict[str, int]] = {"start": snapshot(gpus)}
     t_alloc, t_prep, d_alloc = TargetModel.allocate_state, TargetModel.prepare, DFlashDrafter.allocate_state
@@ -136,28 +136,24 @@ def measure_build(raw_t, raw_d, devices, dtype, max_len):
         marks["drafter weights"] = snapshot(gpus)
         d_alloc(self, *a, **k)
         marks["drafter state"] = snapshot(gpus)
+        # --budget auto's DeferredContext beside the drafter's state, as `ddtree` makes it with the
+        # models (after the build, blocks it freed can be handed out whole: 1.108 at 32K)
+        asked = requested(gpus)
+        made.append(DeferredContext(self.fc.weight.shape[1], self.device, self.fc.weight.dtype))  # [taps * hidden] rows
+        marks["deferred context"] = snapshot(gpus)
+        made.append({g: n - asked[g] for g, n in requested(gpus).items()})
 
+    made: list = []  # the DeferredContext, the bytes its tensors asked for per device
     TargetModel.allocate_state, TargetModel.prepare, DFlashDrafter.allocate_state = target_alloc, target_prepare, drafter_alloc
     try:
         target, drafter = build_random_on_devices(raw_t, raw_d, devices, dtype, max_len)
     finally:
         TargetModel.allocate_state, TargetModel.prepare, DFlashDrafter.allocate_state = t_alloc, t_prep, d_alloc
-    marks["built"] = snapshot(gpus)  # (the build allocates a little after the drafter's state: not the deferred context's)
-    # A cached free block less than 1 MB larger than a request is handed out whole (the build
-    # freed such blocks): with the cache emptied the blocks counted are the context's own.
-    for g in gpus:
-        if _cuda(g):
-            with torch.cuda.device(g):
-                torch.cuda.empty_cache()
-    marks["built"] = snapshot(gpus)
-    asked = requested(gpus)
-    deferred = DeferredContext(target.cfg.hidden_size * len(drafter.cfg.target_layer_ids), drafter.device, target.dtype)
-    marks["deferred context"] = snapshot(gpus)
-    asked = {g: n - asked[g] for g, n in requested(gpus).items()}
+    deferred, asked = made
     seq = [("target weights", "start", "target weights"), ("target state", "target weights", "target state"),
            ("derived fp32", "target state", "target state+derived"),
            ("drafter weights", "target state+derived", "drafter weights"), ("drafter state", "drafter weights", "drafter state"),
-           ("deferred context", "built", "deferred context")]
+           ("deferred context", "drafter state", "deferred context")]
     measured = {g: {name: marks[b][g] - marks[a][g] for name, a, b in seq} for g in gpus}
     for g in gpus:  # the deferred context as its tensors asked for it, beside the blocks it got
         measured[g]["deferred context (requested)"] = asked[g]

@@ -9,6 +9,7 @@
 #   scripts/gpu_session.sh verify      # 27B shapes: the fused GDN tree kernel at 33 / 65 nodes, the 1K engine with it
 #   scripts/gpu_session.sh startup     # codepair: start-up cold and warm (generate, selftest, generate under cProfile);
 #                                      # 27B shapes: the memory plan at 32K
+#   scripts/gpu_session.sh memory      # 27B shapes: the memory plan at 32K
 #   scripts/gpu_session.sh gemms       # 27B shapes: the weight GEMMs at 1 to 65 rows through cuBLAS and cuBLASLt, the 1K engine
 #                                      # with DDTREE_BLAS=cublaslt; the kernels of a 33-node verify by kind (profile_round)
 #   scripts/gpu_session.sh autoprof    # codepair drafter-large, bf16: kernels and wall per round of ar, dflash, ddtree 8
@@ -18,7 +19,7 @@
 #                                      # (SPLIT_ARGS=--no-eager: without the eager twin's timing)
 #   scripts/gpu_session.sh startup auto  # several groups, in order, in one call
 set -u -o pipefail
-GROUPS_KNOWN="chat suite auto startup gemms autoprof imports verify split"
+GROUPS_KNOWN="chat suite auto startup memory gemms autoprof imports verify split"
 [ $# -gt 0 ] || set -- ""
 for group in "$@"; do  # every name checked before anything is installed or run
     known=no
@@ -87,6 +88,9 @@ startup)
     step 300 startup.log python3 scripts/bench_startup.py --codepair .fixture/codepair --cases generate,selftest,profile \
         --timeout 110 --logs "$OUT/startup-logs" --out "$OUT/startup-h200.json"
     tar -czf "$OUT/startup-logs.tar.gz" -C "$OUT" startup-logs && rm -rf "$OUT/startup-logs"
+    step 150 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-h200.json"
+    ;;
+memory)
     step 150 memory.log python3 scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-h200.json"
     ;;
 gemms)

@@ -50,7 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, Auto, AutoMemory, BudgetChooser  # noqa: E402
+from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, CHAIN, Auto, AutoMemory, BudgetChooser  # noqa: E402
 from ddtree.decode.buffers import RoundOut  # noqa: E402
 from ddtree.ops.tree import build_tree  # noqa: E402
 
@@ -176,9 +176,15 @@ class Costs:
         b = int(name.split("-")[1])  # ddtree-8: its verify and the smallest measured tree's rest
         return self.verify_of(b + 1) + self.beyond_of(b)
 
+    def chain_beyond(self) -> float:
+        """A chain round's cost past its verify (dflash's round less its verify)."""
+        return self.rounds["dflash"] - self.verify_of(BLOCK)
+
     def auto_round(self, T: int, build) -> float:
-        """A round of auto that verifies T nodes; its step builds `build` (None: a plain step's)."""
-        return self.verify_of(T) + (self.ar - self.verify_of(1) if build is None else self.beyond_of(build))
+        """A round of auto that verifies T nodes; its step builds `build` (None: a plain step's; "chain")."""
+        if build is None:
+            return self.verify_of(T) + self.ar - self.verify_of(1)
+        return self.verify_of(T) + (self.chain_beyond() if build == "chain" else self.beyond_of(build))
 
 
 def engine_costs(path: Path = ENGINE) -> dict[int, Costs]:
@@ -240,8 +246,8 @@ def replay_fixed(trace: dict, name: str, costs: Costs, n: int) -> tuple[int, flo
     return tokens, ms
 
 
-def _slot(T: int):
-    return SimpleNamespace(T=T, ints=None, mask=None, ranks=None)
+def _slot(T: int, chain: bool = False):
+    return SimpleNamespace(T=T, ints=None, mask=None, ranks=None, chain=chain)
 
 
 class SimDecoder:
@@ -256,7 +262,9 @@ def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory, sync: boo
     back, each read when its round ends), or with sync a CPU's (a round runs when it is queued, so
     the span before read(r) holds round r + 1)."""
     verify_ms = {b: costs.verify_of(b + 1) for b in AUTO_BUDGETS}
-    chooser = BudgetChooser(verify_ms, plain_ms=costs.verify_of(1), memory=memory)
+    chain_key = f"eq:c{BLOCK - 1}"  # (a trace without the chain's fields: no chain arm)
+    chooser = BudgetChooser(verify_ms, plain_ms=costs.verify_of(1), memory=memory,
+                            chain=BLOCK - 1 if chain_key in trace else None)
     policy = Auto(chooser, BLOCK, AUTO_TOPK)
     clock = [0.0]
     policy.clock = lambda: clock[0] / 1e3
@@ -266,7 +274,7 @@ def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory, sync: boo
         t = min(t, n - 1)
         return {b: trace[f"eq:{b}"][t] for b in AUTO_BUDGETS if b <= cover}
 
-    policy.start(eq_at(0, nb), {b: 1 for b in AUTO_BUDGETS})
+    policy.start(eq_at(0, nb), {b: 1 for b in AUTO_BUDGETS}, trace[chain_key][0] if chooser.chain else 0.0)
     dec = SimDecoder()
 
     def queue(r):
@@ -282,19 +290,21 @@ def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory, sync: boo
             queue(r + 1)
         plan = plans.pop(r)
         T = plan.slot.T
-        got = 0 if T == 1 else trace[f"acc:a{T - 1}"][t]
+        got = 0 if T == 1 else trace["acc:chain"][t] if plan.arm == CHAIN else trace[f"acc:a{T - 1}"][t]
         tokens += min(got + 1, n - t)
         t += got + 1
         if not sync:
             clock[0] += costs.auto_round(T, plan.build)
-        extra = [0.0] * (2 * nb)
-        if plan.build is not None:  # its step staged a tree at the next position: E_q per covered budget
-            for b, e in eq_at(t, plan.build).items():
+        extra = [0.0] * (2 * nb + 1)
+        if plan.build is not None:  # its step drafted at the next position: E_q per covered budget, the chain's
+            for b, e in ({} if plan.build == "chain" else eq_at(t, plan.build)).items():
                 extra[b - 1] = e
                 extra[nb + b - 1] = 1.0
             extra[nb] = 1.0
+            extra[2 * nb] = trace[chain_key][min(t, n - 1)] if chooser.chain else 0.0
         policy.read(r, RoundOut(n=got + 1, bonus=0, tokens=[], ranks=[], extra=extra), T)
-        arms[T - 1] = arms.get(T - 1, 0) + 1
+        arm = "chain" if plan.arm == CHAIN else T - 1
+        arms[arm] = arms.get(arm, 0) + 1
         if t >= n:
             if sync and r + 1 in plans:  # the round queued past the end ran too: not the generation's
                 clock[0] -= costs.auto_round(plans[r + 1].slot.T, plans[r + 1].build)
@@ -319,7 +329,7 @@ def simulate(traces: list[dict], costs: Costs, n: int | None = None, sync: bool 
     out["auto"] = tok / ms
     best = max(FIXED, key=out.get)
     return {"tok_per_ms": out, "best_fixed": best, "auto_vs_best": out["auto"] / out[best],
-            "auto_arms": {str(k): v for k, v in sorted(arms.items())}}
+            "auto_arms": {str(k): v for k, v in sorted(arms.items(), key=lambda kv: (str(kv[0]).isalpha(), str(kv[0]).zfill(3)))}}
 
 
 def main(argv=None) -> int:

@@ -232,11 +232,12 @@ AUTO_CYCLE = [15, 4, 64, 8, 32, 64, 4]  # --budget auto forced to switch every r
 
 
 def forced_chooser(cycle: list[int] = AUTO_CYCLE, probe_every: int | None = None):
-    """A BudgetChooser class whose pick_eq returns the budgets of `cycle` in turn (0: a plain step),
+    """A BudgetChooser class whose pick_eq returns the budgets of `cycle` in turn (0: a plain step,
+    CHAIN the chain arm: pipeline rounds only),
     so a test sees every switch, and whose build_for stages each round the tree the next choice
     truncates (the cycle's next tree budget: the staged trees change size every round too). With
     probe_every, plain runs are probed at that fixed interval. Set it as `decoder.chooser_class`."""
-    from ddtree.decode.budget import BudgetChooser
+    from ddtree.decode.budget import CHAIN, BudgetChooser
 
     class Forced(BudgetChooser):
         def __init__(self, *a, **kw):
@@ -249,6 +250,8 @@ def forced_chooser(cycle: list[int] = AUTO_CYCLE, probe_every: int | None = None
             self.calls += 1
             b = cycle[self.calls % len(cycle)]
             assert cap is None or b <= cap, f"the staged tree ({cap}) does not cover the forced budget {b}"
+            staged_chain = set(eq) == {CHAIN}  # (Auto offers a staged chain alone)
+            assert not b or (b == CHAIN) == staged_chain, f"forced {b} with {'a chain' if staged_chain else 'a tree'} staged"
             return (b, eq.get(b, 0.0)) if b else (0, 0.0)
 
         def build_for(self, b, r):
@@ -288,3 +291,42 @@ def tokenizer_checkpoint(fixture_dir, tmp_path, **cfg_extra):
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, **cfg_extra)))
     return d
+
+
+class Oracle:
+    """Drafts (drafter.draft_topk) from logits that rank the true continuation first at most
+    depths; at some depths a decoy takes rank 0 and the truth rank 1 (a chain stops there, a
+    tree continues through the sibling); past `horizon` the truth is absent (drafts are noise)."""
+
+    def __init__(self, dec, full: list[int], slip_every: int = 5, horizon: int | None = None):
+        self.d, self.full, self.slip, self.horizon = dec.drafter, full, slip_every, horizon
+        self.bad_bonus = 0
+        self.calls = 0
+        self.d.draft_topk = draft_from_logits(self)
+
+    def __call__(self, bonus, kv_len):
+        d = self.d
+        B, V = d.cfg.block_size, d.cfg.vocab_size
+        p = int(d.ctx_len)  # position of the bonus token
+        self.calls += 1
+        if p < len(self.full) and int(bonus) != self.full[p]:
+            self.bad_bonus += 1
+        g = torch.Generator().manual_seed(p)
+        logits = torch.randn(B - 1, V, generator=g)
+        for j in range(1, B):
+            pos = p + j
+            if pos >= len(self.full) or (self.horizon is not None and j > self.horizon):
+                continue
+            t = self.full[pos]
+            top = logits[j - 1].max().item()
+            if self.slip and (pos % self.slip == 0):
+                decoy = (t + 1 + pos) % V
+                decoy = decoy if decoy != t else (t + 1) % V
+                logits[j - 1, decoy] = top + 4.0
+                logits[j - 1, t] = top + 3.0
+            else:
+                logits[j - 1, t] = top + 4.0
+        return logits.to(d.device)
+
+    def restore(self):
+        del self.d.draft_topk  # the class's own again

@@ -34,12 +34,12 @@ def timed_ms(dec, fn) -> float:
 
 
 def verify_costs(dec, start: int, greedy: bool) -> tuple[dict[int, float], float]:
-    """-> (ms of one verify of b + 1 nodes for b in (0,) + AUTO_BUDGETS (0: the bonus alone) that
+    """-> (ms of one verify of b + 1 nodes for b in (0,) + AUTO_BUDGETS and the chain's b (0: the bonus alone) that
     fit before max_len, ms of one draft), on the live state (a verify commits nothing; a draft
     writes its block past the drafter's context). The draft is timed only where rounds are not
     graphed: eagerly on a GPU it would cost launches a graphed round does not pay (0 there)."""
     verify_ms = {}
-    for b in (0,) + AUTO_BUDGETS:
+    for b in sorted({0, *AUTO_BUDGETS, dec.block_size - 1}):  # (the chain's size too)
         T = b + 1
         if start + T + dec.block_size > dec.max_len:
             continue
@@ -58,7 +58,7 @@ def verify_costs(dec, start: int, greedy: bool) -> tuple[dict[int, float], float
 
 def calibrate(dec, start: int, greedy: bool, plain: bool = False) -> BudgetChooser:
     """The chooser of a generation starting at committed length `start` (plain: plain steps are a
-    candidate, as in the device pipeline). Verify costs and the AutoMemory are kept per context
+    candidate, as in the device pipeline, and the chain). Verify costs and the AutoMemory are kept per context
     bucket on the decoder (dec._verify_cost); near max_len, where some budgets do not fit, neither
     is kept."""
     big = start + max(AUTO_BUDGETS) + 1
@@ -71,10 +71,14 @@ def calibrate(dec, start: int, greedy: bool, plain: bool = False) -> BudgetChoos
             dec._verify_cost[key] = verify_ms, draft_ms, memory
     cost = dict(verify_ms)
     plain_ms = cost.pop(0, None)
+    chain = dec.block_size - 1
+    chain_ms = cost[chain] if chain in AUTO_BUDGETS else cost.pop(chain, None)
     logger.debug(f"--budget auto: verify ms per budget {', '.join(f'{b}: {ms:.2f}' for b, ms in cost.items())}; "
                  f"plain step {plain_ms if plain_ms is None else f'{plain_ms:.2f}'}; draft {draft_ms:.2f}; round ms "
                  f"measured {({b: round(ms, 2) for b, ms in sorted(memory.cost_ms.items())})}")
-    return dec.chooser_class(cost, plain_ms=plain_ms if plain else None, memory=memory, draft_ms=draft_ms)
+    # the chain arm where rounds run in the pipeline (the host-tree loop verifies trees only)
+    return dec.chooser_class(cost, plain_ms=plain_ms if plain else None, memory=memory, draft_ms=draft_ms,
+                             chain=chain if plain and chain_ms is not None else None, chain_ms=chain_ms)
 
 
 def forget(dec) -> None:

@@ -8,7 +8,8 @@ itself (ddtree.decode.round) is the same for all of them:
     Plain (ar)  the bonus alone (1 node)      nothing: the bonus is the next root  -
     Chain       the block's chain (B nodes)   the next chain                       next depth
     Fixed(b)    a best-first tree of b + 1    the next tree of b                   next depth
-    Auto        a prefix of the staged tree   a staged tree (or a plain step)      E_q and depth per prefix
+    Auto        a prefix of the staged tree,  a staged tree or chain (or a plain   E_q and depth per prefix,
+                or the staged chain           step)                                the chain's E_q
 
 `BudgetChooser` is auto's cost model: expected tokens per millisecond of each budget.
 """
@@ -35,6 +36,8 @@ PLAIN_PROBE = 16  # auto: after this many plain steps in a row, one drafts again
 PLAIN_PROBE_MAX = DEFERRED_ROWS  # ... and after probes that did not pay, up to this many (doubling; the
 #                                  drafter's cache has room for that many deferred context rows)
 ROUND_SAMPLES = 8  # auto: an arm's round cost is the median of its last this many timed rounds
+RATIO_DECAY = 0.95  # auto: of accepted / E_q, the drafter's calibration (slow: a few unlucky rounds must not move it)
+CHAIN = -1  # auto's chain arm: it verifies the block's top-1 chain, and its step drafts the next chain
 
 
 class AutoMemory:
@@ -42,7 +45,8 @@ class AutoMemory:
     (ddtree.decode.auto.calibrate keeps one per context bucket and choice mode), so a later
     generation starts from it instead of from the calibration's verify-only figures:
 
-    round_ms: arm -> the wall ms of its last ROUND_SAMPLES timed rounds (arm 0: a plain step; a
+    round_ms: arm -> the wall ms of its last ROUND_SAMPLES timed rounds (arm 0: a plain step, CHAIN
+              the chain, b a best-first tree of b draft nodes; a
               round is timed from the host's read of the round before it to its own read, so it
               is the whole round: verify, step, drafter, tree, prefix copy and host work);
     acc, pred: the decayed sums of accepted draft tokens and of E_q over the tree rounds;
@@ -50,7 +54,7 @@ class AutoMemory:
 
     def __init__(self):
         self.round_ms: dict[int, deque] = {}
-        self.eq_avg: dict[int, float] = {}  # budget -> decayed average of the staged trees' E_q
+        self.eq_avg: dict[int, float] = {}  # arm -> decayed average of the staged trees' (chain's) E_q
         self.cost_ms: dict[int, float] = {}  # arm -> the median of round_ms[arm]
         self.acc = self.pred = 1.0  # prior: the drafter's probabilities are honest
         self.probe_every = PLAIN_PROBE
@@ -58,21 +62,26 @@ class AutoMemory:
 
 class BudgetChooser:
     """`--budget auto`: each round, the arm with the most expected committed tokens per wall-clock
-    millisecond. Arms: 0 (a plain step: the bonus alone, no drafter) and the best-first budgets b.
+    millisecond. Arms: 0 (a plain step: the bonus alone, no drafter), the best-first budgets b and,
+    where the chain is on (`chain`: its draft nodes, the block less its root), CHAIN: the block's
+    top-1 chain, whose step drafts with a max instead of a top-k and builds no tree (on the H200's
+    codepair rounds 134 us against 210 to 280 for a tree's).
 
         rate(0) = 1 / cost(0)
-        rate(b) = (1 + ratio(b) * E_q(b)) / cost(b)
+        rate(a) = (1 + ratio * E_q(a)) / cost(a)
 
     cost(arm) is what the arm's rounds measured on this machine (the median of its last
-    ROUND_SAMPLES timed rounds: see Auto for which rounds are timed); until an
-    arm has a timed round, its calibrated verify (`verify_ms`, `plain_ms`: one timed verify per
-    budget) plus what the timed arms of its kind (plain, or trees) spent beyond their verifies
-    (before any tree round is timed, a tree's extra is the calibrated draft, `draft_ms`).
-    E_q(b) is the sum of the drafter's path probabilities over the tree's first b nodes (the
-    expected accepted length if the drafter were calibrated); ratio = accepted / E_q over the tree
-    rounds so far (decayed). The round's E_q chooses among the budgets; a plain step against the
-    trees is decided on the staged trees' average E_q (plain_pays). The pop order of a best-first
-    tree is the same for every budget, so the tree of budget b is the first b + 1 nodes of the largest one.
+    ROUND_SAMPLES timed rounds: see Auto for which rounds are timed); until an arm has a timed
+    round, its calibrated verify (`verify_ms`, `plain_ms`: one timed verify per size) plus the
+    least that a timed drafting arm spent beyond its verify (before any is timed, the calibrated
+    draft, `draft_ms`): an untried arm is priced as if its step were the cheapest seen, so it is
+    tried once it could win, and its own rounds then price it. E_q(b) is the sum of the drafter's
+    path probabilities over the tree's first b nodes (the expected accepted length if the drafter
+    were calibrated), E_q(CHAIN) the chain's; ratio = accepted / E_q over the drafted rounds so far
+    (decayed by RATIO_DECAY). The round's E_q chooses among the prefixes of the staged tree; what the next step
+    builds (build_for) and a plain step against drafting (plain_pays) follow the arms' average
+    E_q. The pop order of a best-first tree is the same for every budget, so the tree of budget b
+    is the first b + 1 nodes of any larger one.
 
     After PLAIN_PROBE plain steps in a row (or sooner, once the measurements say a tree would pay)
     one drafts again (a probe) and the next round verifies that tree (a sample of the acceptance);
@@ -81,14 +90,22 @@ class BudgetChooser:
     """
 
     def __init__(self, verify_ms: dict[int, float], decay: float = 0.9, plain_ms: float | None = None,
-                 memory: AutoMemory | None = None, draft_ms: float = 0.0):
+                 memory: AutoMemory | None = None, draft_ms: float = 0.0, chain: int | None = None,
+                 chain_ms: float | None = None):
         self.verify_ms = verify_ms  # budget -> ms of one verify of budget + 1 nodes (calibration)
-        self.draft_ms = draft_ms  # one draft (calibration; 0 where rounds are graphed): a tree's extra until timed
-        self.decay = decay
+        self.draft_ms = draft_ms  # one draft (calibration; 0 where rounds are graphed): a drafting arm's extra until timed
+        self.decay = decay  # of the E_q averages (the text's difficulty moves fast)
+        self.ratio_decay = RATIO_DECAY
         self.plain_ms = plain_ms  # verify of the bonus alone with taps, or None: trees only
+        self.chain = chain  # the chain's draft nodes, or None: no chain arm
+        self.chain_ms = verify_ms.get(chain) if chain_ms is None else chain_ms  # its verify
+        if self.chain_ms is None:
+            self.chain = None
         self.mem = memory or AutoMemory()
         bs = sorted(verify_ms)
-        self.last_tree = bs[min(2, len(bs) - 1)] if bs else 0  # the last tree budget chosen (15 by default)
+        # what the last drafting step built: the chain first (the cheapest step, and timed first
+        # it prices the untried trees by it), else the budget of the block's chain (15)
+        self.last_build = CHAIN if self.chain else bs[min(2, len(bs) - 1)] if bs else 0
 
     # ---------------------------------------------------------------- the model
     @property
@@ -112,21 +129,31 @@ class BudgetChooser:
         would learn only from the budgets chosen, and keep the others where an unlucky round left them)."""
         return self.acc / self.pred
 
+    def drafts(self, arm: int) -> bool:
+        """Is `arm` one of this chooser's drafting arms (a tree budget, or the chain where it is on)?"""
+        return arm in self.verify_ms if arm > 0 else arm == CHAIN and self.chain is not None
+
+    def nodes(self, arm: int) -> int:
+        """Draft nodes a round of `arm` verifies."""
+        return self.chain if arm == CHAIN else arm
+
     def _base(self, arm: int) -> float:
-        return self.plain_ms if arm == 0 else self.verify_ms[arm]
+        return self.plain_ms if arm == 0 else self.chain_ms if arm == CHAIN else self.verify_ms[arm]
 
     def cost(self, arm: int) -> float:
         """ms of a round of `arm` (0: a plain step)."""
         known = self.mem.cost_ms
         if arm in known:
             return known[arm]
-        kin = [ms - self._base(a) for a, ms in known.items() if (a == 0) == (arm == 0) and (a == 0 or a in self.verify_ms)]
-        return self._base(arm) + (sum(kin) / len(kin) if kin else 0.0 if arm == 0 else self.draft_ms)
+        if arm == 0:
+            return self._base(0)
+        extra = [ms - self._base(a) for a, ms in known.items() if a != 0 and self.drafts(a)]
+        return self._base(arm) + (min(extra) if extra else self.draft_ms)
 
     def rates(self, eq: dict[int, float], cap: int | None = None) -> dict[int, float]:
-        """Expected tokens per ms of every arm the tree at hand covers (eq: budget -> its E_q)."""
-        rate = {b: (1 + self.ratio() * eq[b]) / self.cost(b) for b in self.verify_ms
-                if b in eq and (cap is None or b <= cap)}
+        """Expected tokens per ms of every arm at hand (eq: arm -> its E_q; cap: tree budgets up to it, no chain)."""
+        rate = {a: (1 + self.ratio() * e) / self.cost(a) for a, e in eq.items()
+                if self.drafts(a) and (cap is None or 0 < a <= cap)}
         if self.plain_ms is not None:
             rate[0] = 1.0 / self.cost(0)
         return rate
@@ -152,23 +179,22 @@ class BudgetChooser:
         return best, eq[best]
 
     def observe(self, eq: dict[int, float], restart: bool = False):
-        """A staged tree's E_q per budget, as the host reads it: the decayed average behind plain_pays.
-        restart: the tree a probe drafted after a plain run: the average starts again from it. The
-        trees averaged before the run are as old as the run, and the text has moved on (on the
-        H200's codepair runs a probe whose tree accepted 3 tokens was answered by 64 more plain
-        steps, the average still that of the trees before; `scripts/simulate_auto.py --bench`)."""
+        """A staged tree's (chain's) E_q per arm, as the host reads it: the decayed average behind
+        plain_pays and build_for. restart: what a probe drafted after a plain run: the averages of
+        the arms it covers start again from it. The ones averaged before the run are as old as the
+        run, and the text has moved on (on the H200's codepair runs a probe whose tree accepted 3
+        tokens was answered by 64 more plain steps, the average still that of the trees before;
+        `scripts/simulate_auto.py --bench`)."""
         avg, d = self.mem.eq_avg, self.decay
-        if restart:
-            avg.clear()
         for b, e in eq.items():
-            avg[b] = e if b not in avg else d * avg[b] + (1 - d) * e
+            avg[b] = e if restart or b not in avg else d * avg[b] + (1 - d) * e
 
     def plain_pays(self, eq: dict[int, float] | None = None) -> bool:
         """Does a plain step beat the best tree on the average E_q seen (on eq before any)?"""
         if self.plain_ms is None:
             return False
         avg = self.mem.eq_avg or eq or {}
-        trees = [(1 + self.ratio() * e) / self.cost(b) for b, e in avg.items() if b in self.verify_ms]
+        trees = [(1 + self.ratio() * e) / self.cost(b) for b, e in avg.items() if self.drafts(b)]
         return not trees or 1.0 / self.cost(0) > max(trees)
 
     def worth_verify(self, eq: dict[int, float], budgets) -> bool:
@@ -183,7 +209,7 @@ class BudgetChooser:
         if self.plain_ms is None:
             return True
         plain = self.cost(0)
-        return any((1 + self.ratio() * eq[b]) * plain >= min(self.cost(b), self.verify_ms[b]) for b in budgets)
+        return any((1 + self.ratio() * eq[b]) * plain >= min(self.cost(b), self._base(b)) for b in budgets)
 
     def wants_tree(self, eq: dict[int, float]) -> bool:
         """During plain steps: would trees pay now, on the measurements? (Then the next plain step
@@ -191,16 +217,18 @@ class BudgetChooser:
         return self.plain_ms is not None and bool(eq) and not self.plain_pays(eq)
 
     def build_for(self, b: int, r: int) -> int:
-        """The budget of the tree round r's step stages for round r + 1, given round r's own budget
-        b (0: a plain step). Building bigger than the choice costs more drafting work than it
-        returns, so it is one budget above b (the next round then sees the bigger tree's E_q and
-        may truncate it: the choice can climb every round); after plain steps, the last tree
-        budget chosen."""
+        """What round r's step stages for round r + 1 (a tree budget, or CHAIN), given round r's
+        own arm b (0: a plain step, whose probe builds the last build). The arm with the best rate
+        on the average E_q: a tree's step costs more the bigger it is (its top-k and its build),
+        so the staged tree is the one the averages say pays, and the next round may verify a
+        prefix of it. Until a drafting round is timed: the last build (the chain first)."""
         if b == 0:
-            return self.last_tree
-        self.last_tree = b
-        up = [x for x in sorted(self.verify_ms) if x > b]
-        return up[0] if up else b
+            return self.last_build
+        known, avg = self.mem.cost_ms, self.mem.eq_avg
+        arms = [a for a in avg if self.drafts(a)]
+        if arms and any(a != 0 and self.drafts(a) for a in known):
+            self.last_build = max(arms, key=lambda a: (1 + self.ratio() * avg[a]) / self.cost(a))
+        return self.last_build
 
     def probe_answered(self, b: int):
         """The budget chosen right after a probe: plain again doubles the probe interval, a tree resets it."""
@@ -220,7 +248,7 @@ class BudgetChooser:
 
     def update(self, budget: int, predicted: float, accepted: int, wall_ms: float | None):
         """A tree round of `budget`: its E_q, the draft tokens it accepted, its wall time."""
-        d, m = self.decay, self.mem
+        d, m = self.ratio_decay, self.mem
         m.acc, m.pred = d * m.acc + accepted, d * m.pred + max(predicted, 1e-6)
         self.timed(budget, wall_ms)
 
@@ -241,6 +269,7 @@ class Plan:
     build: int | str | None  # the next tree: None (the bonus alone), "chain", or a best-first budget
     walk: int  # nodes the walk may accept
     k: int = 1  # drafter top-k columns
+    arm: int = 0  # auto: the chooser's arm (0 a plain step, CHAIN, or the tree budget verified)
     prefix_of: Slot | None = None  # first copy slot's tree as this staged tree's prefix (auto)
     summary: int = 0  # auto: summarise every prefix of the built tree, padded to this many
     context: str = "path"  # the drafter's context: "path" (add the accepted rows), "defer" (keep the
@@ -315,35 +344,37 @@ def Fixed(block: int, budget: int, k: int) -> Chain:
 
 @dataclass
 class Auto(Policy):
-    """`--budget auto`: every drafting step builds a best-first tree into a staging slot of its
-    build budget (BudgetChooser.build_for) and summarises every prefix (E_q and depth); when the
-    host queues round r + 1 it picks its budget among those the staged tree covers (or 0, a plain
-    step), and a tiny piece copies that prefix into the budget's own slot.
+    """`--budget auto`: every drafting step stages what BudgetChooser.build_for says: a best-first
+    tree of that budget, summarised per prefix (E_q and depth), or the block's top-1 chain (its
+    E_q; every drafting step also reports the chain's E_q, so the chain's average stays current
+    under trees). When the host queues round r + 1 it picks among what is staged: a prefix of the
+    tree (a tiny piece copies it into that budget's own slot) or the chain, or 0, a plain step.
 
     A plain step costs what an `ar` step costs: its verify is the bonus alone, its step walks,
     commits and keeps the root's tap row aside ("defer"; the drafter's context gets the deferred
     rows at the next drafting step, "flush"), and writes the chosen token as the next root. Every
     chooser.probe_every-th plain step in a row drafts again (a probe; sooner where the chooser's
-    measurements say a tree would pay), and the round after it verifies that tree whatever the
-    chooser thinks (a smaller sample would leave a smaller staged tree, and the choice after it
-    only that to pick from): the acceptance ratio only learns from trees verified, so without that
-    sample one bad start would keep auto on plain steps for good. The probe's tree also restarts
-    the E_q average that decides plain steps against trees (BudgetChooser.observe): the trees
-    before the plain run say little about the text now.
+    measurements say drafting would pay), and the round after it verifies what it staged whatever
+    the chooser thinks (a smaller sample would leave a smaller staged tree, and the choice after it
+    only that to pick from): the acceptance ratio only learns from drafts verified, so without that
+    sample one bad start would keep auto on plain steps for good. The probe's draft also restarts
+    the E_q averages it covers (BudgetChooser.observe): the ones before the plain run say little
+    about the text now.
     Rounds are timed by `clock` between the host's reads, except round 0, rounds during which a
     graph was captured (`new_keys` moved) and rounds whose successor is of another kind (plain,
-    probe, tree): the span between two reads also holds the queueing of the next round."""
+    probe, tree, chain): the span between two reads also holds the queueing of the next round."""
 
     chooser: BudgetChooser
     block: int
     k: int
     budgets: tuple = ()
-    staged: dict = field(default_factory=dict)  # round -> build budget of the tree its step staged
-    summary: dict = field(default_factory=dict)  # round -> (E_q per budget, depth per budget) of its tree, or None
-    drafted: dict = field(default_factory=dict)  # round -> did its step draft a tree
-    kinds: dict = field(default_factory=dict)  # round -> "tree", "plain" or "probe" (a plain step that drafts)
+    staged: dict = field(default_factory=dict)  # round -> what its step staged: a tree budget, or CHAIN
+    summary: dict = field(default_factory=dict)  # round -> (E_q per arm, depth per arm) of what it verifies, or None
+    drafted: dict = field(default_factory=dict)  # round -> did its step draft
+    kinds: dict = field(default_factory=dict)  # round -> "tree", "chain", "plain" or "probe" (a plain step that drafts)
+    arms: dict = field(default_factory=dict)  # round -> its arm (0, CHAIN or a tree budget)
     plain_run: int = 0  # plain steps in a row
-    sampled: bool = False  # the last tree round was a probe's sample
+    sampled: bool = False  # the last drafted round was a probe's sample
     t_last: float | None = None  # when the host read the last round (None: none yet, or it captured)
     clock: Callable[[], float] = time.perf_counter  # seconds (the simulation drives its own)
     new_keys: Callable[[], int] = lambda: 0  # graph keys run for the first time so far (GraphRunner.new_keys)
@@ -353,30 +384,42 @@ class Auto(Policy):
     def __post_init__(self):
         self.budgets = tuple(sorted(self.chooser.verify_ms))
         self.nb = self.budgets[-1]
-        self.P, self.E, self.T_max = self.block, 2 * self.nb, self.nb + 1
+        # extra: E_q per tree prefix [nb], depth per prefix [nb], the chain's E_q [1]
+        self.P, self.E, self.T_max = self.block, 2 * self.nb + 1, self.nb + 1
 
     def begin(self, tree, dec):
         stage = dec.stage(self.nb + 1)
         stage.load_with_ranks(tree)
         self.new_keys = lambda: dec.graphs.new_keys
-        self.start(expected_accepts(tree.scores, self.budgets), {b: int(tree.depths[: b + 1].max()) for b in self.budgets})
+        self.start(expected_accepts(tree.scores, self.budgets), {b: int(tree.depths[: b + 1].max()) for b in self.budgets},
+                   chain_eq(tree))
 
-    def start(self, eq: dict[int, float], depth: dict[int, int]):
-        """Round 0's tree: its E_q and depth per budget (the host-side part of begin)."""
+    def start(self, eq: dict[int, float], depth: dict[int, int], chain: float = 0.0):
+        """Round 0's tree: its E_q and depth per budget, the chain's E_q (the host-side part of begin)."""
         self.summary = {0: (eq, depth)}
-        self.latest = eq  # E_q per budget of the newest tree the host has read
-        self.chooser.observe(eq)
+        self.latest = dict(eq)  # E_q per arm of the newest draft the host has read (the chain's too)
+        if self.chooser.chain:
+            self.latest[CHAIN] = chain
+        self.chooser.observe(self.latest)
         self.staged, self.drafted = {-1: self.nb}, {-1: True}
         self.t_last, self.keys_seen = None, self.new_keys()  # round 0's wall holds two launches: not timed
 
+    def at_hand(self, src: int) -> dict[int, float]:
+        """E_q per arm a round can verify when `src` is staged: the chain, or the tree's prefixes
+        (the newest figures the host has: the draft before, or the averages)."""
+        if src == CHAIN:
+            return {CHAIN: self.latest.get(CHAIN, self.chooser.mem.eq_avg.get(CHAIN, 0.0))}
+        seen = {b: e for b, e in self.latest.items() if 0 < b <= src}
+        return seen or {b: e for b, e in self.chooser.mem.eq_avg.items() if 0 < b <= src}
+
     def plan(self, r, dec):
         ch = self.chooser
-        after_tree = self.drafted[r - 1]
+        after_draft = self.drafted[r - 1]
         src = self.staged[r - 1]
-        if after_tree and self.plain_run:  # the round after a probe verifies its tree: an acceptance sample
+        if after_draft and self.plain_run:  # the round after a probe verifies its draft: an acceptance sample
             b, self.sampled = src, True
-        elif after_tree:
-            b = ch.pick_eq(self.latest, cap=src)[0]
+        elif after_draft:
+            b = ch.pick_eq(self.at_hand(src), cap=None if src == CHAIN else src)[0]
             if self.sampled:  # the choice after that sample: another plain step backs the probes off
                 ch.probe_answered(b)
                 self.sampled = False
@@ -384,60 +427,97 @@ class Auto(Policy):
             b = 0
         plain = b == 0
         self.plain_run = self.plain_run + 1 if plain else 0
-        # a plain step drafts (a probe) when its interval is up, or as soon as a tree would pay
-        drafting = not plain or self.plain_run % ch.probe_every == 0 or (not after_tree and ch.wants_tree(self.latest))
+        # a plain step drafts (a probe) when its interval is up, or as soon as drafting would pay
+        drafting = not plain or self.plain_run % ch.probe_every == 0 or (not after_draft and ch.wants_tree(self.latest))
         self.drafted[r] = drafting
-        self.drafted.pop(r - 2, None)
-        self.kinds[r] = "tree" if not plain else "probe" if drafting else "plain"
-        self.kinds.pop(r - 2, None)
-        slot = dec.slot(b + 1)
-        b_build = self.staged[r] = ch.build_for(b, r)
-        self.staged.pop(r - 2, None)
-        prefix_of = dec.stage(src + 1) if after_tree else None  # after a plain step slot(1) holds the root
+        self.kinds[r] = ("chain" if b == CHAIN else "tree") if not plain else "probe" if drafting else "plain"
+        self.arms[r] = b
+        for d in (self.drafted, self.kinds, self.arms, self.staged):
+            d.pop(r - 2, None)
+        slot = dec.slot(ch.nodes(b) + 1)
+        build = self.staged[r] = ch.build_for(b, r)
+        # after a plain step slot(1) holds the root; else the root (and the tree) come from the staged draft
+        prefix_of = self.stage_of(dec, src) if after_draft else None
         if not drafting:  # a plain step: the chosen token becomes slot(1)'s root
             return Plan(slot=slot, into=dec.slot(1), build=None, walk=1, prefix_of=prefix_of,
                         summary=self.nb, context="defer")
-        into = dec.stage(b_build + 1)
-        return Plan(slot=slot, into=into, build=b_build, walk=1 if plain else self.P, k=min(self.k, b_build),
-                    prefix_of=prefix_of, summary=self.nb, context="flush" if plain else "path",
-                    keep=(into.ints, into.mask, into.ranks))
+        into = self.stage_of(dec, build)
+        chain = build == CHAIN
+        return Plan(slot=slot, into=into, build="chain" if chain else build, walk=1 if plain else self.P,
+                    k=1 if chain else min(self.k, build), arm=b, prefix_of=prefix_of, summary=self.nb,
+                    context="flush" if plain else "path", keep=(into.ints, into.mask, into.ranks))
+
+    def stage_of(self, dec, build: int):
+        """The staging slot of a build: the chain's own (its shape fixed), or the tree budget's."""
+        return dec.stage(self.block, chain=True) if build == CHAIN else dec.stage(build + 1)
 
     def read(self, r, out, T):
         ch, now, keys = self.chooser, self.clock(), self.new_keys()
         eq, depth_of = self.summary.pop(r) or ({}, {})
+        arm = self.arms.get(r, T - 1)
         # the round's wall time: from the last read to this one. That span holds the host queueing
-        # round r + 1 too (on a CPU, running it), so it is the round's only where round r + 1 is of
-        # its kind; and not where a graph was captured meanwhile
-        steady = self.kinds.get(r + 1) == self.kinds.get(r)
+        # round r + 1 too (on a CPU, running it), so it is the round's only where round r + 1 is
+        # the same (kind, arm and build); and not where a graph was captured meanwhile
+        steady = all(d.get(r + 1) == d.get(r) for d in (self.kinds, self.arms, self.staged))
         ms = None if self.t_last is None or keys != self.keys_seen or not steady else (now - self.t_last) * 1e3
         self.keys_seen = keys
         if T == 1:  # a plain step
             depth = 0
             ch.update_plain(ms)
         else:
-            depth = depth_of[T - 1]
-            ch.update(T - 1, eq[T - 1], out.n - 1, ms)
+            depth = depth_of.get(arm, T - 1)
+            ch.update(arm, eq.get(arm, 0.0), out.n - 1, ms)
         self.t_last = now
         # --verbose: what auto chose and saw each round (formatted only when debug logs are on)
         logger.opt(lazy=True).debug("auto round {}: budget {} ({}), {} tokens, E_q {}, {} ms, probe every {}",
-                                    lambda: r, lambda: T - 1, lambda: "plain" if T == 1 else "tree", lambda: out.n,
-                                    lambda: "-" if T == 1 else f"{eq[T - 1]:.2f}",
+                                    lambda: r, lambda: T - 1,
+                                    lambda: "plain" if T == 1 else "chain" if arm == CHAIN else "tree", lambda: out.n,
+                                    lambda: "-" if T == 1 else f"{eq.get(arm, 0.0):.2f}",
                                     lambda: "-" if ms is None else f"{ms:.2f}", lambda: ch.probe_every)
         nb, h = self.nb, out.extra
-        if h[nb] >= 1:  # the step drafted a tree (its depth-of-one-node prefix is 1)
-            cover = [b for b in self.budgets if b <= self.staged.get(r, nb)]
-            self.summary[r + 1] = ({b: h[b - 1] for b in cover}, {b: int(h[nb + b - 1]) for b in cover})
-            self.latest = self.summary[r + 1][0]
-            ch.observe(self.latest, restart=self.kinds.get(r) == "probe")
+        if h[nb] >= 1:  # the step drafted (its one-node prefix's depth is 1)
+            built = self.staged.get(r, nb)
+            if built == CHAIN:
+                seen = {CHAIN: h[2 * nb]}
+                self.summary[r + 1] = (seen, {CHAIN: self.block - 1})
+            else:
+                cover = [b for b in self.budgets if b <= built]
+                seen = {b: h[b - 1] for b in cover}
+                self.summary[r + 1] = (dict(seen), {b: int(h[nb + b - 1]) for b in cover})
+                if ch.chain:
+                    seen[CHAIN] = h[2 * nb]
+            self.latest = seen
+            ch.observe(seen, restart=self.kinds.get(r) == "probe")
         else:
             self.summary[r + 1] = None
         return depth
 
 
-def auto_summary(summary: tuple[torch.Tensor, torch.Tensor], nb: int, statics) -> torch.Tensor:
+def chain_eq(tree: Tree) -> float:
+    """E_q of the drafter's top-1 chain from a best-first tree (its rank-0 path; the tree holds the
+    chain's nodes while their path probabilities are among its best)."""
+    ranks, parents, scores = tree.ranks.tolist(), tree.parents.tolist(), tree.scores
+    node, total = 0, 0.0
+    while True:
+        child = next((i for i in range(1, len(parents)) if parents[i] == node and ranks[i] == 0), None)
+        if child is None:
+            return total
+        total += math.exp(scores[child])
+        node = child
+
+
+def auto_summary(summary: tuple[torch.Tensor, torch.Tensor], nb: int, statics, chain: torch.Tensor) -> torch.Tensor:
     """--budget auto's packet extra from a staged tree of B <= nb draft nodes: [E_q(b) for b = 1..nb,
-    depth of b's prefix for b = 1..nb], zeros past B."""
+    depth of b's prefix for b = 1..nb, the chain's E_q], zeros past B. A staged chain's: its
+    E_q and depth per prefix likewise (B: the block less its root)."""
     eq, depth = summary
     B = eq.shape[0]
     pad = [statics.full(nb - B, 0.0)] if nb > B else []
-    return torch.cat([eq, *pad, depth.float(), *pad])
+    return torch.cat([eq, *pad, depth.float(), *pad, chain.view(1).float()])
+
+
+def chain_summary(lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lp [D, k] top-k log-probs (sorted) -> the top-1 chain's (E_q per prefix [D], depth per prefix [D], E_q)."""
+    eq = torch.cumsum(torch.cumsum(lp[:, 0].float(), 0).exp(), 0)
+    depth = torch.arange(1, lp.shape[0] + 1, device=lp.device)
+    return eq, depth, eq[-1]

@@ -21,6 +21,8 @@ class Slot:
     asynchronous. Trees the device builds write these buffers directly.
     """
 
+    chain = False  # --budget auto's staged chain (Decoder.stage)
+
     def __init__(self, T: int, dev):
         self.T = T
         self.ints = torch.zeros(3, T, dtype=torch.long, device=dev)  # [3, T]: tokens, depths, parents

@@ -173,14 +173,16 @@ class Decoder:
             self._slots[T] = Slot(T, self.device)
         return self._slots[T]
 
-    def stage(self, T: int) -> Slot:
-        """--budget auto's staged tree of T nodes: never verified itself, only copied from."""
-        if T not in self._stages:
-            s = self._stages[T] = Slot(T, self.device)
+    def stage(self, T: int, chain: bool = False) -> Slot:
+        """--budget auto's staged tree of T nodes (chain: its staged chain, whose shape stays a
+        chain's: its steps write the tokens): never verified itself, only copied from."""
+        if (T, chain) not in self._stages:
+            s = self._stages[T, chain] = Slot(T, self.device)
+            s.chain = chain
             # a valid tree from the start (its root's parent is the committed prefix, -1)
             s.load(Tree.chain(torch.zeros(T, dtype=torch.long)))
             s.device_written()
-        return self._stages[T]
+        return self._stages[T, chain]
 
     # ------------------------------------------------------------------ the pieces of a round
     def verify(self, slot: Slot, kv_len: int, sampling: SamplingParams, gen, taps: bool):

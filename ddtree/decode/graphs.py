@@ -69,10 +69,11 @@ class StepKey:
 
 @dataclass(frozen=True)
 class PrefixKey:
-    """--budget auto: copy the first T nodes of the staged tree of `src` draft nodes."""
+    """--budget auto: copy the first T nodes of the staged tree of `src` draft nodes (or its staged chain)."""
 
     T: int
     src: int
+    chain: bool = False
 
     commits = None
 

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ddtree.decode.budget import PLAIN_PROBE_MAX, Plan, Policy, auto_summary
+from ddtree.decode.budget import PLAIN_PROBE_MAX, Plan, Policy, auto_summary, chain_summary
 from ddtree.decode.buffers import HostRing, Packet
 from ddtree.decode.graphs import PrefixKey, StepKey
 from ddtree.stats import RoundRecord
@@ -133,7 +133,7 @@ class Pipeline:
         if plan.prefix_of is not None:  # auto: this round's tree is a prefix of the staged one
             src = plan.prefix_of
             slot.device_written()
-            dec.graphs.run(PrefixKey(slot.T, src.T - 1), lambda: dec.copy_prefix(slot, src))
+            dec.graphs.run(PrefixKey(slot.T, src.T - 1, src.chain), lambda: dec.copy_prefix(slot, src))
         sizes[r] = slot.T
         kv_len = dec.kv_len(start_bound + slot.T)
         draft_kv = dec.kv_len(start_bound + self.policy.P)
@@ -191,8 +191,11 @@ class Pipeline:
         lp, ids = dec.target.enter(dec.home, lp, ids)
         if plan.build == "chain":  # bonus, then the drafter's top-1 per position
             torch.cat([bonus.view(1), ids[:, 0]], out=into.tokens)
+            if plan.summary:  # auto's staged chain
+                eq, depth, chain = chain_summary(lp)
+                return auto_summary((eq, depth), plan.summary, dec.statics, chain)
             return dec.statics.full(1, float(into.T - 1))
         depth, summary = dec.build_tree(bonus, lp, ids, plan.build, into, summarise=bool(plan.summary))
         if summary is not None:
-            return auto_summary(summary, plan.summary, dec.statics)
+            return auto_summary(summary, plan.summary, dec.statics, chain_summary(lp)[2])
         return depth.float().view(1)

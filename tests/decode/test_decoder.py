@@ -11,7 +11,7 @@ from ddtree.errors import DDTreeError
 from ddtree.decode.random_pair import build_random_pair
 from ddtree.model.synthetic import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
 from ddtree.ops.tree import Tree, ancestor_mask_from_parents
-from helpers import draft_from_logits
+from helpers import Oracle, draft_from_logits
 
 BUDGETS = (1, 2, 7, 32, 128)
 NEW = 36
@@ -65,45 +65,6 @@ def _check_records(rec, method: str, block_size: int, budget: int | None = None,
 # an oracle drafter: proposes the known greedy continuation (with deliberate slips), so that
 # long paths are accepted and stop / length cuts land inside accepted paths
 # --------------------------------------------------------------------------------------------
-
-class Oracle:
-    """Drafts (drafter.draft_topk) from logits that rank the true continuation first at most
-    depths; at some depths a decoy takes rank 0 and the truth rank 1 (a chain stops there, a
-    tree continues through the sibling); past `horizon` the truth is absent (drafts are noise)."""
-
-    def __init__(self, dec: Decoder, full: list[int], slip_every: int = 5, horizon: int | None = None):
-        self.d, self.full, self.slip, self.horizon = dec.drafter, full, slip_every, horizon
-        self.bad_bonus = 0
-        self.calls = 0
-        self.d.draft_topk = draft_from_logits(self)
-
-    def __call__(self, bonus, kv_len):
-        d = self.d
-        B, V = d.cfg.block_size, d.cfg.vocab_size
-        p = int(d.ctx_len)  # position of the bonus token
-        self.calls += 1
-        if p < len(self.full) and int(bonus) != self.full[p]:
-            self.bad_bonus += 1
-        g = torch.Generator().manual_seed(p)
-        logits = torch.randn(B - 1, V, generator=g)
-        for j in range(1, B):
-            pos = p + j
-            if pos >= len(self.full) or (self.horizon is not None and j > self.horizon):
-                continue
-            t = self.full[pos]
-            top = logits[j - 1].max().item()
-            if self.slip and (pos % self.slip == 0):
-                decoy = (t + 1 + pos) % V
-                decoy = decoy if decoy != t else (t + 1) % V
-                logits[j - 1, decoy] = top + 4.0
-                logits[j - 1, t] = top + 3.0
-            else:
-                logits[j - 1, t] = top + 4.0
-        return logits.to(d.device)
-
-    def restore(self):
-        del self.d.draft_topk  # the class's own again
-
 
 @pytest.fixture(scope="module")
 def hybrid0():
