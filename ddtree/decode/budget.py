@@ -8,8 +8,8 @@ itself (ddtree.decode.round) is the same for all of them:
     Plain (ar)  the bonus alone (1 node)      nothing: the bonus is the next root  -
     Chain       the block's chain (B nodes)   the next chain                       next depth
     Fixed(b)    a best-first tree of b + 1    the next tree of b                   next depth
-    Auto        a prefix of the staged tree,  a staged tree or chain (or a plain   E_q and depth per prefix,
-                or the staged chain           step)                                the chain's E_q
+    Auto        the staged tree or chain,     a staged tree or chain (or a plain   E_q and depth per prefix,
+                or the bonus alone            step)                                the chain's E_q
 
 `BudgetChooser` is auto's cost model: expected tokens per millisecond of each budget.
 """
@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from loguru import logger
 
@@ -36,7 +37,6 @@ PLAIN_PROBE = 16  # auto: after this many plain steps in a row, one drafts again
 PLAIN_PROBE_MAX = DEFERRED_ROWS  # ... and after probes that did not pay, up to this many (doubling; the
 #                                  drafter's cache has room for that many deferred context rows)
 ROUND_SAMPLES = 8  # auto: an arm's round cost is the median of its last this many timed rounds
-RATIO_DECAY = 0.95  # auto: of accepted / E_q, the drafter's calibration (slow: a few unlucky rounds must not move it)
 CHAIN = -1  # auto's chain arm: it verifies the block's top-1 chain, and its step drafts the next chain
 
 
@@ -78,10 +78,10 @@ class BudgetChooser:
     tried once it could win, and its own rounds then price it. E_q(b) is the sum of the drafter's
     path probabilities over the tree's first b nodes (the expected accepted length if the drafter
     were calibrated), E_q(CHAIN) the chain's; ratio = accepted / E_q over the drafted rounds so far
-    (decayed by RATIO_DECAY). The round's E_q chooses among the prefixes of the staged tree; what the next step
-    builds (build_for) and a plain step against drafting (plain_pays) follow the arms' average
-    E_q. The pop order of a best-first tree is the same for every budget, so the tree of budget b
-    is the first b + 1 nodes of any larger one.
+    (decayed). The round's E_q decides a plain step against the staged arm
+    (worth_verify); what the next step stages (build_for) and a plain step against drafting
+    (plain_pays) follow the arms' average E_q (a staged tree's prefixes give the E_q of the
+    smaller budgets: the pop order of a best-first tree is the same for every budget).
 
     After PLAIN_PROBE plain steps in a row (or sooner, once the measurements say a tree would pay)
     one drafts again (a probe) and the next round verifies that tree (a sample of the acceptance);
@@ -94,8 +94,7 @@ class BudgetChooser:
                  chain_ms: float | None = None):
         self.verify_ms = verify_ms  # budget -> ms of one verify of budget + 1 nodes (calibration)
         self.draft_ms = draft_ms  # one draft (calibration; 0 where rounds are graphed): a drafting arm's extra until timed
-        self.decay = decay  # of the E_q averages (the text's difficulty moves fast)
-        self.ratio_decay = RATIO_DECAY
+        self.decay = decay  # of the E_q averages and of the acceptance ratio
         self.plain_ms = plain_ms  # verify of the bonus alone with taps, or None: trees only
         self.chain = chain  # the chain's draft nodes, or None: no chain arm
         self.chain_ms = verify_ms.get(chain) if chain_ms is None else chain_ms  # its verify
@@ -248,7 +247,7 @@ class BudgetChooser:
 
     def update(self, budget: int, predicted: float, accepted: int, wall_ms: float | None):
         """A tree round of `budget`: its E_q, the draft tokens it accepted, its wall time."""
-        d, m = self.ratio_decay, self.mem
+        d, m = self.decay, self.mem
         m.acc, m.pred = d * m.acc + accepted, d * m.pred + max(predicted, 1e-6)
         self.timed(budget, wall_ms)
 
@@ -287,8 +286,8 @@ class Policy:
     T_max = 1
     defers = False  # keeps plain steps' context rows for later (ddtree.decode.round.DeferredContext)
 
-    def begin(self, tree: Tree, dec) -> None:
-        """Round 0's tree (built on the host from the prefill's draft) goes up."""
+    def begin(self, tree: Tree, dec, draft=None) -> None:
+        """Round 0's tree (built on the host from the prefill's draft, ddtree.decode.reference.Draft) goes up."""
 
     def plan(self, r: int, dec) -> Plan:
         raise NotImplementedError
@@ -303,7 +302,7 @@ class PlainSteps(Policy):
 
     taps = False
 
-    def begin(self, tree, dec):
+    def begin(self, tree, dec, draft=None):
         self.slot = dec.slot(1)
         self.slot.load(tree)
 
@@ -324,7 +323,7 @@ class Chain(Policy):
         self.k = k
         self.depths: dict[int, int] = {}
 
-    def begin(self, tree, dec):
+    def begin(self, tree, dec, draft=None):
         self.slot = dec.slot(self.T_max)
         self.slot.load_with_ranks(tree)
         self.depths = {0: int(tree.depths.max())}
@@ -347,8 +346,9 @@ class Auto(Policy):
     """`--budget auto`: every drafting step stages what BudgetChooser.build_for says: a best-first
     tree of that budget, summarised per prefix (E_q and depth), or the block's top-1 chain (its
     E_q; every drafting step also reports the chain's E_q, so the chain's average stays current
-    under trees). When the host queues round r + 1 it picks among what is staged: a prefix of the
-    tree (a tiny piece copies it into that budget's own slot) or the chain, or 0, a plain step.
+    under trees). When the host queues round r + 1 it verifies what is staged (a tiny piece copies
+    the tree into its budget's own slot) or takes 0, a plain step. Trees draft with k columns
+    whatever their budget: one compiled draft for all of them.
 
     A plain step costs what an `ar` step costs: its verify is the bonus alone, its step walks,
     commits and keeps the root's tap row aside ("defer"; the drafter's context gets the deferred
@@ -387,30 +387,41 @@ class Auto(Policy):
         # extra: E_q per tree prefix [nb], depth per prefix [nb], the chain's E_q [1]
         self.P, self.E, self.T_max = self.block, 2 * self.nb + 1, self.nb + 1
 
-    def begin(self, tree, dec):
-        stage = dec.stage(self.nb + 1)
-        stage.load_with_ranks(tree)
+    def begin(self, tree, dec, draft=None):
+        """Round 0 verifies what build_for stages: the best-first tree (`tree`, the largest budget)
+        cut to that budget, or the draft's top-1 chain."""
+        top1 = draft.topk_lp[:, 0].astype(float)
+        first = self.start(expected_accepts(tree.scores, self.budgets), {b: int(tree.depths[: b + 1].max()) for b in self.budgets},
+                           float(np.exp(np.cumsum(top1)).sum()))
+        if first == CHAIN:
+            self.stage_of(dec, CHAIN).load_with_ranks(Tree.chain([int(tree.tokens[0])] + draft.topk_ids[:, 0].tolist()))
+        else:
+            self.stage_of(dec, first).load_with_ranks(tree.truncate(first + 1))
         self.new_keys = lambda: dec.graphs.new_keys
-        self.start(expected_accepts(tree.scores, self.budgets), {b: int(tree.depths[: b + 1].max()) for b in self.budgets},
-                   chain_eq(tree))
+        self.keys_seen = self.new_keys()
 
-    def start(self, eq: dict[int, float], depth: dict[int, int], chain: float = 0.0):
-        """Round 0's tree: its E_q and depth per budget, the chain's E_q (the host-side part of begin)."""
-        self.summary = {0: (eq, depth)}
+    def start(self, eq: dict[int, float], depth: dict[int, int], chain: float = 0.0) -> int:
+        """Round 0's draft: its tree's E_q and depth per budget, the chain's E_q (the host-side part
+        of begin). -> what round 0 verifies (the chooser's build: CHAIN or a tree budget)."""
+        ch = self.chooser
         self.latest = dict(eq)  # E_q per arm of the newest draft the host has read (the chain's too)
-        if self.chooser.chain:
+        if ch.chain:
             self.latest[CHAIN] = chain
-        self.chooser.observe(self.latest)
-        self.staged, self.drafted = {-1: self.nb}, {-1: True}
+        ch.observe(self.latest)
+        first = ch.build_for(ch.last_build, -1)
+        self.summary = {0: ({CHAIN: chain}, {CHAIN: self.block - 1}) if first == CHAIN else (eq, depth)}
+        self.staged, self.drafted = {-1: first}, {-1: True}
         self.t_last, self.keys_seen = None, self.new_keys()  # round 0's wall holds two launches: not timed
+        return first
 
     def at_hand(self, src: int) -> dict[int, float]:
-        """E_q per arm a round can verify when `src` is staged: the chain, or the tree's prefixes
-        (the newest figures the host has: the draft before, or the averages)."""
-        if src == CHAIN:
-            return {CHAIN: self.latest.get(CHAIN, self.chooser.mem.eq_avg.get(CHAIN, 0.0))}
-        seen = {b: e for b, e in self.latest.items() if 0 < b <= src}
-        return seen or {b: e for b, e in self.chooser.mem.eq_avg.items() if 0 < b <= src}
+        """E_q of what a round verifies when `src` is staged: the staged arm itself (the newest
+        figure the host has: the draft before, or the average). The round's E_q decides a plain
+        step against it; which arm is staged is build_for's choice. (Offering the staged tree's
+        prefixes too made every prefix a graph key of its own: on the H200's codepair runs each
+        new key cost a 13 to 15 ms capture inside a timed prompt, a fifth of auto's time.)"""
+        avg = self.chooser.mem.eq_avg
+        return {src: self.latest.get(src, avg.get(src, 0.0))}
 
     def plan(self, r, dec):
         ch = self.chooser
@@ -444,7 +455,7 @@ class Auto(Policy):
         into = self.stage_of(dec, build)
         chain = build == CHAIN
         return Plan(slot=slot, into=into, build="chain" if chain else build, walk=1 if plain else self.P,
-                    k=1 if chain else min(self.k, build), arm=b, prefix_of=prefix_of, summary=self.nb,
+                    k=1 if chain else self.k, arm=b, prefix_of=prefix_of, summary=self.nb,
                     context="flush" if plain else "path", keep=(into.ints, into.mask, into.ranks))
 
     def stage_of(self, dec, build: int):
@@ -491,19 +502,6 @@ class Auto(Policy):
         else:
             self.summary[r + 1] = None
         return depth
-
-
-def chain_eq(tree: Tree) -> float:
-    """E_q of the drafter's top-1 chain from a best-first tree (its rank-0 path; the tree holds the
-    chain's nodes while their path probabilities are among its best)."""
-    ranks, parents, scores = tree.ranks.tolist(), tree.parents.tolist(), tree.scores
-    node, total = 0, 0.0
-    while True:
-        child = next((i for i in range(1, len(parents)) if parents[i] == node and ranks[i] == 0), None)
-        if child is None:
-            return total
-        total += math.exp(scores[child])
-        node = child
 
 
 def auto_summary(summary: tuple[torch.Tensor, torch.Tensor], nb: int, statics, chain: torch.Tensor) -> torch.Tensor:

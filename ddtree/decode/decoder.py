@@ -413,10 +413,7 @@ class Decoder:
         if pre.bonus not in stop_ids and len(out) < job.max_new_tokens:
             policy = auto_budget.policy_for(self, method, job.budget, job.k, chooser) if pipeline else None
             if policy is not None:
-                tree = host_tree(method, pre.bonus, pre.draft, job.budget, False)
-                if chooser is not None:
-                    tree = tree.truncate(max(chooser.verify_ms) + 1)
-                policy.begin(tree, self)
+                policy.begin(host_tree(method, pre.bonus, pre.draft, job.budget, False), self, pre.draft)
                 Pipeline(self, policy, sampling, gen, clock).run(out, start, job.max_new_tokens, stop_ids, on_tokens,
                                                                  rounds, pending)
             else:
