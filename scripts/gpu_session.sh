@@ -5,7 +5,7 @@
 # fixture as .fixture/codepair.tar.xz; outputs go to $OUT (default /tmp/ddtree-out).
 #   scripts/gpu_session.sh chat        # 27B shapes: chat TTFT table, memory plan at 32K and 128K
 #   scripts/gpu_session.sh suite       # codepair: the GPU test suite
-#   scripts/gpu_session.sh auto        # codepair: --budget auto against the fixed methods
+#   scripts/gpu_session.sh auto        # codepair: --budget auto against the fixed methods (AUTO_ARGS="--dtypes bfloat16": one dtype)
 #   scripts/gpu_session.sh verify      # 27B shapes: the fused GDN tree kernel at 33 / 65 nodes, the 1K engine with it
 #   scripts/gpu_session.sh startup     # codepair: start-up cold and warm (generate, selftest, generate under cProfile);
 #                                      # 27B shapes: the memory plan at 32K
@@ -75,7 +75,7 @@ suite)
     ;;
 auto)
     fixture
-    step 380 auto.log python3 scripts/bench_auto.py --fixture .fixture/codepair --out-dir "$OUT/auto"
+    step 380 auto.log python3 scripts/bench_auto.py --fixture .fixture/codepair ${AUTO_ARGS:-} --out-dir "$OUT/auto"
     tar -czf "$OUT/auto.tar.gz" -C "$OUT" auto && rm -rf "$OUT/auto"
     ;;
 verify)

@@ -85,9 +85,10 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("method", ("--method", "-m"), str, (GEN, CHAT), "ar, dflash (DFlash chain) or ddtree (draft tree)",
         default_doc="ddtree with a drafter, else ar", metavar="M"),
     Opt("budget", ("--budget", "-b"), str, (GEN, CHAT, PLAN),
-        "Draft-tree nodes verified per round (ddtree only), or auto: every round picks the budget (4, 8, 15, 32 or 64, "
-        "or 0: a plain target step) with the most expected tokens per millisecond (drafter path probabilities times the "
-        "acceptance seen so far, over each budget's whole-round wall time measured on this machine)",
+        "Draft-tree nodes verified per round (ddtree only), or auto: each round drafts the arm with the most expected "
+        "tokens per millisecond (the chain, a best-first tree of 4, 8, 15, 32 or 64 nodes, or 0: a plain target step; "
+        "drafter path probabilities times the acceptance seen so far, over each arm's whole-round wall time measured "
+        "on this machine)",
         default=32, metavar="N|auto", toml_types=(int,)),
     Opt("methods", ("--methods",), str, (BENCH,), "Methods to compare, comma-separated (ar is added and runs first)",
         default="ar,dflash,ddtree", metavar="LIST", toml_types=(list,)),
