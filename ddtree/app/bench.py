@@ -73,8 +73,12 @@ def format_table(doc: dict) -> str:
         hist = run["aggregate"].get("tree_size", {}).get("histogram") or {}
         if is_auto(run) and hist:
             n = sum(hist.values())
+            D = (run["aggregate"].get("block_size") or 0) - 1  # the chain arm's rounds: a path of D nodes
+            chains = sum(1 for p in run.get("prompts", []) for size, depth in
+                         zip(p["rounds"]["tree_size"], p["rounds"]["tree_depth"]) if size == depth == D > 0)
             notes.append("ddtree auto chose " + ", ".join(f"{b} ({100 * c / n:.0f}%)" for b, c in
-                                                          sorted(hist.items(), key=lambda kv: int(kv[0]))))
+                                                          sorted(hist.items(), key=lambda kv: int(kv[0])))
+                         + (f"; the chain in {100 * chains / n:.0f}%" if chains else ""))
     for run in doc["runs"]:
         if run.get("interrupted"):
             notes.append(f"* {_label(run['method'], 'auto' if is_auto(run) else run.get('budget'))}: interrupted, "

@@ -414,6 +414,12 @@ def test_table_headline_is_tokens_per_forward():
     assert head.split("  ")[5] == "tok/fwd" and "accept len (drafted)" in head
     assert cells[:2] == ["ddtree", "auto"] and cells[5] == "1.75" and cells[6] == "2.50"  # 7/4 and 1 + 3/2
     assert note == "ddtree auto chose 0 (50%), 4 (25%), 8 (25%)"
+    # a round that verified the chain (a path of block - 1 nodes) is counted as the chain too
+    D = 15  # a block of 16
+    rec.rounds[0] = RoundRecord(D, D, 2, [0, 0], 3, t)
+    doc = make_run_document(run_metadata(), [{"method": "ddtree", "budget": None, "budget_setting": "auto",
+                                              "records": [rec], "speedup_vs_ar": 1.3, "block_size": 16}])
+    assert format_table(doc).splitlines()[3] == f"ddtree auto chose 0 (50%), 4 (25%), {D} (25%); the chain in 25%"
 
 
 def test_bench_prompt_tokens(tiny_pair, tmp_path, one_thread):
