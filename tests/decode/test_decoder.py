@@ -11,7 +11,7 @@ from ddtree.errors import DDTreeError
 from ddtree.decode.random_pair import build_random_pair
 from ddtree.model.synthetic import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
 from ddtree.ops.tree import Tree, ancestor_mask_from_parents
-from helpers import Oracle, draft_from_logits
+from helpers import Oracle
 
 BUDGETS = (1, 2, 7, 32, 128)
 NEW = 36
