@@ -5,9 +5,10 @@ ddtree.model.placement's plan, per GPU:
 
 * exact components (target weights, the fp32 constants prepare() derives, the target's state,
   drafter weights, drafter state, --budget auto's DeferredContext) as torch.cuda.memory_allocated
-  deltas: they must come within 5% (they should be 1.000); the DeferredContext also as the bytes
-  its tensors requested (`requested_bytes`), since the allocator may hand a few-MB request a cached
-  block up to 1 MB larger, unsplit;
+  deltas: they must come within 5% (they should be 1.000); the DeferredContext is made first, as
+  `ddtree` makes it before the weights (made after them, the allocator may hand its few-MB request
+  a free block up to 1 MB larger, unsplit: 1.108 at 32K), and also reported as the bytes its
+  tensors requested (`requested_bytes`);
 * unless --no-activations, the estimated phases as torch.cuda.max_memory_allocated deltas over
   what is allocated before each: a real prefill of --prompt-tokens (Decoder.prefill's path:
   TargetModel.prefill in the chunks TargetModel.prefill_chunk picks from the free memory now,
@@ -117,10 +118,17 @@ def planned_components(cfg, dcfg, split, wl) -> dict[str, dict[str, int]]:
 
 
 def measure_build(raw_t, raw_d, devices, dtype, max_len):
-    """Build, snapshotting memory at the component boundaries of build_random_on_devices, with
-    --budget auto's DeferredContext made beside the drafter's state."""
+    """--budget auto's DeferredContext first (as `ddtree` makes it before the weights, on the
+    drafter's device: the last), then the build, snapshotting memory at the component boundaries
+    of build_random_on_devices."""
     gpus = list(dict.fromkeys(gpu_of(d) for d in devices))
     marks: dict[str, dict[str, int]] = {"start": snapshot(gpus)}
+    asked = requested(gpus)
+    cfg = TargetConfig.from_dict(raw_t)
+    dcfg = DrafterConfig.from_dict(raw_d, cfg.num_layers)
+    deferred = DeferredContext(cfg.hidden_size * len(dcfg.target_layer_ids), devices[-1], dtype)
+    marks["deferred context"] = snapshot(gpus)
+    asked = {g: n - asked[g] for g, n in requested(gpus).items()}
     t_alloc, t_prep, d_alloc = TargetModel.allocate_state, TargetModel.prepare, DFlashDrafter.allocate_state
 
     def target_alloc(self, *a, **k):
@@ -136,24 +144,17 @@ def measure_build(raw_t, raw_d, devices, dtype, max_len):
         marks["drafter weights"] = snapshot(gpus)
         d_alloc(self, *a, **k)
         marks["drafter state"] = snapshot(gpus)
-        # --budget auto's DeferredContext beside the drafter's state, as `ddtree` makes it with the
-        # models (after the build, blocks it freed can be handed out whole: 1.108 at 32K)
-        asked = requested(gpus)
-        made.append(DeferredContext(self.fc.weight.shape[1], self.device, self.fc.weight.dtype))  # [taps * hidden] rows
-        marks["deferred context"] = snapshot(gpus)
-        made.append({g: n - asked[g] for g, n in requested(gpus).items()})
 
-    made: list = []  # the DeferredContext, the bytes its tensors asked for per device
     TargetModel.allocate_state, TargetModel.prepare, DFlashDrafter.allocate_state = target_alloc, target_prepare, drafter_alloc
     try:
         target, drafter = build_random_on_devices(raw_t, raw_d, devices, dtype, max_len)
     finally:
         TargetModel.allocate_state, TargetModel.prepare, DFlashDrafter.allocate_state = t_alloc, t_prep, d_alloc
-    deferred, asked = made
-    seq = [("target weights", "start", "target weights"), ("target state", "target weights", "target state"),
+    assert deferred.rows.device == drafter.device, "the drafter is not on the last device: make the context there"
+    seq = [("deferred context", "start", "deferred context"), ("target weights", "deferred context", "target weights"),
+           ("target state", "target weights", "target state"),
            ("derived fp32", "target state", "target state+derived"),
-           ("drafter weights", "target state+derived", "drafter weights"), ("drafter state", "drafter weights", "drafter state"),
-           ("deferred context", "drafter state", "deferred context")]
+           ("drafter weights", "target state+derived", "drafter weights"), ("drafter state", "drafter weights", "drafter state")]
     measured = {g: {name: marks[b][g] - marks[a][g] for name, a, b in seq} for g in gpus}
     for g in gpus:  # the deferred context as its tensors asked for it, beside the blocks it got
         measured[g]["deferred context (requested)"] = asked[g]

@@ -243,3 +243,22 @@ def test_fused_tree_verify_at_27b_shapes_equals_unfused(precision):
             assert_rel(o, o_ref, tol, f"fused vs tree_wy T={T} block={block}")
             for a_, b_ in zip(got, ref_out):
                 assert_rel(a_, b_, tol, f"scratch T={T} block={block}")
+
+
+def test_auto_deferred_context_is_made_before_the_weights_in_a_block_of_its_own_size(fixture_dir):
+    """`--budget auto` on a GPU: load_models makes the DeferredContext before the weights, so the
+    caching allocator splits a fresh segment for it and its rows' block is the request rounded to
+    512 bytes (made after the weights, it was handed a free block 0.35 MB larger whole at 32K); the
+    decoder's rounds use it."""
+    from ddtree.app.setup import inspect_models, load_models
+
+    spec = inspect_models(str(fixture_dir / "target"), str(fixture_dir / "drafter-distilled"), "cuda:0", "bfloat16", True)
+    loaded = load_models(spec, 1024, True, auto=True)
+    dec = loaded.decoder
+    rows = dec.deferred.rows
+    assert rows.device == dec.drafter.device
+    blocks = {b["address"]: b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
+              if b["state"] == "active_allocated"}
+    assert blocks[rows.data_ptr()] == -(-rows.nbytes // 512) * 512
+    rec = dec.generate(list(range(10, 40)), "ddtree", budget="auto", max_new_tokens=16)
+    assert dec.deferred.rows is rows and rec.new_tokens == 16

@@ -561,7 +561,7 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
                 room: int | None = None, auto: bool = False, snapshots: int = 0) -> Loaded:
     from ddtree.app.plan import plan_for_devices
     from ddtree.decode.decoder import Decoder
-    from ddtree.decode.round import reserve_deferred
+    from ddtree.decode.round import DeferredContext, reserve_deferred
     from ddtree.model.checkpoint import load_drafter, load_target
     from ddtree.options import Options
 
@@ -571,6 +571,13 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
     stage("planning memory")  # before any weight is read: one error line naming what fits (None on CPU)
     split = plan_for_devices(spec.target_cfg, spec.drafter_cfg if with_drafter else None, spec.devices, max_len,
                              spec.dtype, room, name=spec.target_ref, auto=auto, snapshots=snapshots)
+    deferred = None
+    if auto and with_drafter and spec.drafter_dir is not None and split is not None:
+        # --budget auto's deferred context before the weights: its block is then its own request
+        # (made later, the allocator may hand it a free block up to 1 MB larger whole)
+        d = spec.drafter_cfg
+        deferred = DeferredContext(spec.target_cfg.hidden_size * len(d.target_layer_ids), split.drafter_device,
+                                   spec.dtype)
     stage("loading the target")
     logger.info(f"loading target {spec.target_ref} ({spec.dtype_name}, {dev_names}, max length {max_len})")
     target, _ = load_target(str(spec.target_dir), spec.devices, spec.dtype, max_len,
@@ -584,7 +591,9 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
                                   stage=split.drafter_stage if split else None)
     loaded = Loaded(spec=spec, decoder=Decoder(target, drafter, max_len=max_len, options=options), max_len=max_len)
     if auto and drafter is not None:  # --budget auto's deferred context with the models, as the plan counts it
-        reserve_deferred(loaded.decoder)
+        if deferred is not None and deferred.rows.device == drafter.device:
+            loaded.decoder.deferred = deferred
+        reserve_deferred(loaded.decoder)  # (where it was not made above: on a CPU)
     log_setup(loaded)
     return loaded
 
