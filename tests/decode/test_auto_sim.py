@@ -228,3 +228,26 @@ def test_auto_losses_puts_each_round_in_its_kind_and_adds_up():
     total = sum(v["over_ar_ms"] for v in k.values()) + row["host"]["over_ar_ms"]
     assert total == pytest.approx(row["auto_decode_ms"] - row["ar_decode_ms"])
     assert row["auto_vs_ar"] == pytest.approx(90.6 / 118.5) and row["drafter"] == "drafter-distilled"
+
+
+def test_auto_verifies_what_its_step_staged(monkeypatch):
+    """Each round verifies the arm the step before it staged, or takes a plain step: never a prefix
+    of a staged tree (each prefix new to a context bucket was a graph key of its own, and on the
+    H200 its first capture cost 13 to 15 ms inside a timed prompt). Replayed on every regime above."""
+    pytest.importorskip("scipy")
+    import ddtree.decode.budget as B
+
+    seen = []
+    real = B.Auto.plan
+
+    def plan(self, r, dec):
+        staged = self.staged[r - 1]
+        p = real(self, r, dec)
+        seen.append((p.arm, staged))
+        return p
+
+    monkeypatch.setattr(B.Auto, "plan", plan)
+    for tr, c, _ in REGIMES.values():
+        simulate(tr, c)
+    assert len(seen) > 1000 and all(arm in (0, staged) for arm, staged in seen)
+    assert {arm for arm, _ in seen} >= {0, B.CHAIN, 15, 32, 64}  # the regimes take every kind of arm
