@@ -126,7 +126,7 @@ def measure_build(raw_t, raw_d, devices, dtype, max_len):
     asked = requested(gpus)
     cfg = TargetConfig.from_dict(raw_t)
     dcfg = DrafterConfig.from_dict(raw_d, cfg.num_layers)
-    deferred = DeferredContext(cfg.hidden_size * len(dcfg.target_layer_ids), devices[-1], dtype)
+    deferred = DeferredContext.for_models(cfg, dcfg, devices[-1], dtype)
     marks["deferred context"] = snapshot(gpus)
     asked = {g: n - asked[g] for g, n in requested(gpus).items()}
     t_alloc, t_prep, d_alloc = TargetModel.allocate_state, TargetModel.prepare, DFlashDrafter.allocate_state

@@ -575,9 +575,7 @@ def load_models(spec: ModelSpec, max_len: int, with_drafter: bool, stage: Callab
     if auto and with_drafter and spec.drafter_dir is not None and split is not None:
         # --budget auto's deferred context before the weights: its block is then its own request
         # (made later, the allocator may hand it a free block up to 1 MB larger whole)
-        d = spec.drafter_cfg
-        deferred = DeferredContext(spec.target_cfg.hidden_size * len(d.target_layer_ids), split.drafter_device,
-                                   spec.dtype)
+        deferred = DeferredContext.for_models(spec.target_cfg, spec.drafter_cfg, split.drafter_device, spec.dtype)
     stage("loading the target")
     logger.info(f"loading target {spec.target_ref} ({spec.dtype_name}, {dev_names}, max length {max_len})")
     target, _ = load_target(str(spec.target_dir), spec.devices, spec.dtype, max_len,

@@ -72,13 +72,13 @@ def calibrate(dec, start: int, greedy: bool, plain: bool = False) -> BudgetChoos
     cost = dict(verify_ms)
     plain_ms = cost.pop(0, None)
     chain = dec.block_size - 1
-    chain_ms = cost[chain] if chain in AUTO_BUDGETS else cost.pop(chain, None)
+    chain_ms = None if chain in AUTO_BUDGETS else cost.pop(chain, None)  # (a budget's: the chooser reads it there)
     logger.debug(f"--budget auto: verify ms per budget {', '.join(f'{b}: {ms:.2f}' for b, ms in cost.items())}; "
                  f"plain step {plain_ms if plain_ms is None else f'{plain_ms:.2f}'}; draft {draft_ms:.2f}; round ms "
                  f"measured {({b: round(ms, 2) for b, ms in sorted(memory.cost_ms.items())})}")
     # the chain arm where rounds run in the pipeline (the host-tree loop verifies trees only)
     return dec.chooser_class(cost, plain_ms=plain_ms if plain else None, memory=memory, draft_ms=draft_ms,
-                             chain=chain if plain and chain_ms is not None else None, chain_ms=chain_ms)
+                             chain=chain if plain else None, chain_ms=chain_ms)
 
 
 def forget(dec) -> None:

@@ -219,8 +219,8 @@ class BudgetChooser:
         """What round r's step stages for round r + 1 (a tree budget, or CHAIN), given round r's
         own arm b (0: a plain step, whose probe builds the last build). The arm with the best rate
         on the average E_q: a tree's step costs more the bigger it is (its top-k and its build),
-        so the staged tree is the one the averages say pays, and the next round may verify a
-        prefix of it. Until a drafting round is timed: the last build (the chain first)."""
+        so the staged tree is the one the averages say pays, and the next round verifies it or
+        takes a plain step. Until a drafting round is timed: the last build (the chain first)."""
         if b == 0:
             return self.last_build
         known, avg = self.mem.cost_ms, self.mem.eq_avg
@@ -361,8 +361,8 @@ class Auto(Policy):
     the E_q averages it covers (BudgetChooser.observe): the ones before the plain run say little
     about the text now.
     Rounds are timed by `clock` between the host's reads, except round 0, rounds during which a
-    graph was captured (`new_keys` moved) and rounds whose successor is of another kind (plain,
-    probe, tree, chain): the span between two reads also holds the queueing of the next round."""
+    graph was captured (`new_keys` moved) and rounds whose successor differs in kind (plain, probe,
+    tree, chain), arm or build: the span between two reads also holds the queueing of the next round."""
 
     chooser: BudgetChooser
     block: int
@@ -417,9 +417,9 @@ class Auto(Policy):
     def at_hand(self, src: int) -> dict[int, float]:
         """E_q of what a round verifies when `src` is staged: the staged arm itself (the newest
         figure the host has: the draft before, or the average). The round's E_q decides a plain
-        step against it; which arm is staged is build_for's choice. (Offering the staged tree's
-        prefixes too made every prefix a graph key of its own: on the H200's codepair runs each
-        new key cost a 13 to 15 ms capture inside a timed prompt, a fifth of auto's time.)"""
+        step against it; which arm is staged is build_for's choice. (A prefix of the staged tree
+        would be a graph key of its own in each context bucket, and a key's first capture costs
+        13 to 15 ms on the H200's codepair rounds.)"""
         avg = self.chooser.mem.eq_avg
         return {src: self.latest.get(src, avg.get(src, 0.0))}
 
@@ -430,7 +430,7 @@ class Auto(Policy):
         if after_draft and self.plain_run:  # the round after a probe verifies its draft: an acceptance sample
             b, self.sampled = src, True
         elif after_draft:
-            b = ch.pick_eq(self.at_hand(src), cap=None if src == CHAIN else src)[0]
+            b = ch.pick_eq(self.at_hand(src))[0]
             if self.sampled:  # the choice after that sample: another plain step backs the probes off
                 ch.probe_answered(b)
                 self.sampled = False
@@ -514,8 +514,11 @@ def auto_summary(summary: tuple[torch.Tensor, torch.Tensor], nb: int, statics, c
     return torch.cat([eq, *pad, depth.float(), *pad, chain.view(1).float()])
 
 
-def chain_summary(lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """lp [D, k] top-k log-probs (sorted) -> the top-1 chain's (E_q per prefix [D], depth per prefix [D], E_q)."""
-    eq = torch.cumsum(torch.cumsum(lp[:, 0].float(), 0).exp(), 0)
-    depth = torch.arange(1, lp.shape[0] + 1, device=lp.device)
-    return eq, depth, eq[-1]
+def chain_probs(lp: torch.Tensor) -> torch.Tensor:
+    """lp [D, k] top-k log-probs (sorted) -> [D] the path probability of each prefix of the top-1 chain."""
+    return torch.cumsum(lp[:, 0].float(), 0).exp()
+
+
+def chain_summary(lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """lp [D, k] -> the top-1 chain's (E_q per prefix [D], depth per prefix [D]); its E_q is the last."""
+    return torch.cumsum(chain_probs(lp), 0), torch.arange(1, lp.shape[0] + 1, device=lp.device)

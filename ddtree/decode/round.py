@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ddtree.decode.budget import PLAIN_PROBE_MAX, Plan, Policy, auto_summary, chain_summary
+from ddtree.decode.budget import PLAIN_PROBE_MAX, Plan, Policy, auto_summary, chain_probs, chain_summary
 from ddtree.decode.buffers import HostRing, Packet
 from ddtree.decode.graphs import PrefixKey, StepKey
 from ddtree.stats import RoundRecord
@@ -54,6 +54,11 @@ class DeferredContext:
         self.count = torch.zeros((), dtype=torch.long, device=dev)
         self.index = torch.arange(rows, device=dev)
 
+    @classmethod
+    def for_models(cls, cfg, dcfg, dev, dtype) -> "DeferredContext":
+        """The context of a target config and its drafter's (rows of taps x hidden), on the drafter's device."""
+        return cls(cfg.hidden_size * len(dcfg.target_layer_ids), dev, dtype)
+
     def push(self, drafter, taps: torch.Tensor):
         """taps [1, W] (a plain verify's root) -> rows[count]; count += 1 (on the drafter's stage)."""
         taps, = drafter.enter(drafter.stage, taps)
@@ -75,8 +80,7 @@ def reserve_deferred(dec) -> None:
     plan counts it with the models), else at the first auto generation (before any capture:
     graphs keep its buffers' addresses)."""
     if dec.deferred is None:
-        width = dec.target.cfg.hidden_size * len(dec.target.tap_layers)
-        dec.deferred = DeferredContext(width, dec.drafter.device, dec.target.dtype)
+        dec.deferred = DeferredContext.for_models(dec.target.cfg, dec.drafter.cfg, dec.drafter.device, dec.target.dtype)
 
 
 class Pipeline:
@@ -192,10 +196,10 @@ class Pipeline:
         if plan.build == "chain":  # bonus, then the drafter's top-1 per position
             torch.cat([bonus.view(1), ids[:, 0]], out=into.tokens)
             if plan.summary:  # auto's staged chain
-                eq, depth, chain = chain_summary(lp)
-                return auto_summary((eq, depth), plan.summary, dec.statics, chain)
+                eq, depth = chain_summary(lp)
+                return auto_summary((eq, depth), plan.summary, dec.statics, eq[-1])
             return dec.statics.full(1, float(into.T - 1))
         depth, summary = dec.build_tree(bonus, lp, ids, plan.build, into, summarise=bool(plan.summary))
         if summary is not None:
-            return auto_summary(summary, plan.summary, dec.statics, chain_summary(lp)[2])
+            return auto_summary(summary, plan.summary, dec.statics, chain_probs(lp).sum())
         return depth.float().view(1)
