@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -331,3 +333,36 @@ class Oracle:
 
     def restore(self):
         del self.d.draft_topk  # the class's own again
+
+
+VOCAB = 258  # 256 bytes + two special tokens, neither an end-of-text (even: --tp 2 splits it)
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer (no merges) of VOCAB ids, built by the tokenizers library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<|s0|>": 0, "<|s1|>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|s0|>", "<|s1|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"backend": "tokenizers", "tokenizer_class": "TokenizersBackend"}))
+
+
+def write_random_pair(root: Path, raw: dict) -> tuple[Path, Path]:
+    """A random target of config `raw` (vocab VOCAB) and a 1-layer DFlash drafter for it, written
+    as released checkpoints (the target with write_tokenizer's tokenizer) -> (target dir, drafter dir)."""
+    from ddtree.model.checkpoint import save_checkpoint
+    from ddtree.model.synthetic import build_random_drafter, tiny_drafter_config
+
+    tdir, ddir = root / "target", root / "drafter"
+    target = build_random_target(raw, seed=3, max_len=64)
+    draft_raw = tiny_drafter_config(raw)
+    drafter = build_random_drafter(draft_raw, target, seed=4, max_len=64)
+    save_checkpoint(target.state_dict(), raw, tdir)
+    write_tokenizer(tdir)
+    save_checkpoint(drafter.state_dict(), draft_raw, ddir, layout="drafter")
+    return tdir, ddir

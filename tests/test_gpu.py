@@ -245,20 +245,40 @@ def test_fused_tree_verify_at_27b_shapes_equals_unfused(precision):
                 assert_rel(a_, b_, tol, f"scratch T={T} block={block}")
 
 
-def test_auto_deferred_context_is_made_before_the_weights_in_a_block_of_its_own_size(fixture_dir):
-    """`--budget auto` on a GPU: load_models makes the DeferredContext before the weights, so the
-    caching allocator splits a fresh segment for it and its rows' block is the request rounded to
-    512 bytes (made after the weights, it was handed a free block 0.35 MB larger whole at 32K); the
-    decoder's rounds use it."""
-    from ddtree.app.setup import inspect_models, load_models
+_DEFERRED_BLOCK = """
+import json, sys, torch
+from ddtree.app.setup import inspect_models, load_models
+spec = inspect_models(sys.argv[1], sys.argv[2], "cuda:0", "bfloat16", True)
+dec = load_models(spec, 1024, True, auto=True).decoder
+rows = dec.deferred.rows
+blocks = {b["address"]: b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
+          if b["state"] == "active_allocated"}
+rec = dec.generate(list(range(10, 40)), "ddtree", budget="auto", max_new_tokens=16)
+print(json.dumps({"nbytes": rows.nbytes, "block": blocks[rows.data_ptr()], "device": str(rows.device),
+                  "drafter": str(dec.drafter.device), "kept": dec.deferred.rows is rows, "new": rec.new_tokens}))
+"""
 
-    spec = inspect_models(str(fixture_dir / "target"), str(fixture_dir / "drafter-distilled"), "cuda:0", "bfloat16", True)
-    loaded = load_models(spec, 1024, True, auto=True)
-    dec = loaded.decoder
-    rows = dec.deferred.rows
-    assert rows.device == dec.drafter.device
-    blocks = {b["address"]: b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
-              if b["state"] == "active_allocated"}
-    assert blocks[rows.data_ptr()] == -(-rows.nbytes // 512) * 512
-    rec = dec.generate(list(range(10, 40)), "ddtree", budget="auto", max_new_tokens=16)
-    assert dec.deferred.rows is rows and rec.new_tokens == 16
+
+def test_auto_deferred_context_is_made_before_the_weights_in_a_block_of_its_own_size(tmp_path):
+    """`--budget auto` on a GPU, in a fresh process as a user runs it: the DeferredContext's rows
+    (64 x 3 taps x 4096, bf16: 1.5 MiB, the caching allocator's large pool) sit in a block of their
+    own size, the request rounded to 512 bytes. Weights of 3 MiB leave tails in the allocator's
+    20 MiB segments; a request made after them may be handed such a tail whole when it is less
+    than 1 MiB larger (0.35 MB more at 32K on the 27B shapes). The decoder's rounds use the rows.
+    (tests/app/test_plan.py pins the order: the context before the weights.)"""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+    from helpers import VOCAB, write_random_pair
+
+    raw = tiny_hybrid_config(vocab=VOCAB, hidden=4096, inter=192)  # MLP weights 4096 x 192 x 2 B: 1.5 MiB each
+    tdir, ddir = write_random_pair(tmp_path, raw)
+    out = subprocess.run([sys.executable, "-c", _DEFERRED_BLOCK, str(tdir), str(ddir)], cwd=str(REPO), env=cli_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["nbytes"] == 64 * 3 * 4096 * 2 and got["nbytes"] > 2**20  # the large pool: not split to size by rule
+    assert got["block"] == -(-got["nbytes"] // 512) * 512, got
+    assert got["device"] == got["drafter"] and got["kept"] and got["new"] == 16

@@ -4,7 +4,6 @@ prompt, without the codepair fixture. No stop token (generations always run to t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,40 +13,18 @@ import time
 from pathlib import Path
 
 from conftest import REPO, cli_env
-
-VOCAB = 258  # 256 bytes + two special tokens, neither an end-of-text (even: --tp 2 splits it)
-
-
-def write_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {"<|s0|>": 0, "<|s1|>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|s0|>", "<|s1|>"])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"backend": "tokenizers", "tokenizer_class": "TokenizersBackend"}))
+from helpers import VOCAB, write_random_pair
 
 
 def write_tiny_pair(root: Path) -> tuple[Path, Path]:
     """-> (target dir, drafter dir) under root (written once per root)."""
-    from ddtree.model.checkpoint import save_checkpoint
-    from ddtree.model.synthetic import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
+    from ddtree.model.synthetic import tiny_hybrid_config
 
-    tdir, ddir = root / "target", root / "drafter"
-    if (ddir / "config.json").is_file():
-        return tdir, ddir
+    if (root / "drafter" / "config.json").is_file():
+        return root / "target", root / "drafter"
     raw = tiny_hybrid_config(vocab=VOCAB)
     raw["text_config"].pop("eos_token_id")  # no stop token: every generation runs to --max-new-tokens
-    target = build_random_target(raw, seed=3, max_len=64)
-    draft_raw = tiny_drafter_config(raw)
-    drafter = build_random_drafter(draft_raw, target, seed=4, max_len=64)
-    save_checkpoint(target.state_dict(), raw, tdir)
-    write_tokenizer(tdir)
-    save_checkpoint(drafter.state_dict(), draft_raw, ddir, layout="drafter")
-    return tdir, ddir
+    return write_random_pair(root, raw)
 
 
 def sigint_default() -> None:

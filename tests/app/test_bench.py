@@ -281,6 +281,9 @@ def test_auto_warms_up_on_every_prompt_then_forgets(monkeypatch, tmp_path, one_t
     lengths = {L for *_, L, _ in calls}
     assert len(lengths) == 3
     warm, timed = calls[:-9], calls[-9:]  # timed: ar, ddtree 8, auto x 3 prompts
+    for i, method in enumerate([("ar", 32), ("ddtree", 8), ("ddtree", "auto")]):  # each over every prompt
+        run = timed[3 * i: 3 * i + 3]
+        assert {(m, b) for m, b, *_ in run} == {method} and {L for *_, L, n in run if n == n_new} == lengths, timed
     assert {L for m, b, L, n in warm if b == "auto" and n == n_new} == lengths  # auto: every prompt
     assert len({L for m, b, L, n in warm if b == 8 and n == n_new}) == 2  # a fixed budget: shortest, longest
     first_timed_auto = len(calls) - 2  # calls counted when the first timed auto generation calibrates

@@ -366,3 +366,34 @@ def test_load_models_plans_before_reading_weights(monkeypatch, tmp_path):
         bench.load_models(spec, 4096, True, room=33, auto=True)
     (args, kw), = calls
     assert args[1] is D and args[3] == 4096 and kw["auto"] is True  # --budget auto: its deferred context planned
+
+
+def test_load_models_makes_auto_deferred_context_before_the_weights(monkeypatch, tmp_path):
+    """On GPUs (a split planned) --budget auto's deferred context is made after the plan and before
+    any weight, on the drafter's device: a fresh allocator segment is split to its size there, while
+    made after the weights it may be handed a free tail up to 1 MiB larger whole (the 32K memory
+    plan's 1.108). Without --budget auto none is made at load."""
+    from types import SimpleNamespace
+
+    from ddtree.app import setup as bench
+    from ddtree.decode.round import DeferredContext
+    from ddtree.model import checkpoint
+
+    order = []
+    split = SimpleNamespace(drafter_device="cuda:1", layer_stages=[0] * T.num_layers, drafter_stage=1)
+    monkeypatch.setattr(planmod, "plan_for_devices", lambda *a, **k: order.append("plan") or split)
+    monkeypatch.setattr(DeferredContext, "for_models", classmethod(
+        lambda cls, cfg, dcfg, dev, dtype: order.append(("deferred", cfg, dcfg, dev)) or object()))
+
+    def weights(*a, **k):
+        order.append("weights")
+        raise DDTreeError("stop before the weights")
+
+    monkeypatch.setattr(checkpoint, "load_target", weights)
+    spec = bench.ModelSpec(target_ref=NAME, target_dir=tmp_path, target_cfg=T, drafter_cfg=D, devices=["cuda:0", "cuda:1"],
+                           drafter_dir=tmp_path)
+    for auto, made in ((True, [("deferred", T, D, "cuda:1")]), (False, [])):
+        order.clear()
+        with pytest.raises(DDTreeError, match="stop before the weights"):
+            bench.load_models(spec, 4096, True, room=33, auto=auto)
+        assert order == ["plan", *made, "weights"], order

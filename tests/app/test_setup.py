@@ -6,7 +6,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from typer.testing import CliRunner
 
 from ddtree.app import setup as S
 from ddtree.app.prompts import load_prompts

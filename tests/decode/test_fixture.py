@@ -4,7 +4,6 @@ greedy generate, and greedy `ddtree` / `dflash` equal our `ar`, on real prompts.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -3,12 +3,10 @@ and become torch.compiler.disable wrappers before the first compile."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 from conftest import REPO

@@ -205,8 +205,6 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
     """The tree kernel with the layer's prologue inside (tree convolution + SiLU from the conv
     inputs, q/k l2 norms, head repeat, gates from the projection) against qkvgb + tree_wy on random
     trees and random conv states: outputs, commit scratch, and the whole mixer's output."""
-    from ddtree.ops.tree import ancestor_mask_from_parents
-
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(6)
