@@ -59,6 +59,7 @@ class GenerationRecord:
     method: str  # 'ar' | 'dflash' | 'ddtree'
     budget: int | None = None  # draft nodes per round for ddtree; None otherwise
     rounds: list[RoundRecord] = field(default_factory=list)
+    captures: int = 0  # graph pieces captured (or first run compiled) during the rounds: decode_s holds their time
 
     @property
     def decode_tok_s(self) -> float:
@@ -182,6 +183,7 @@ def aggregate(records: list[GenerationRecord], block_size: int | None = None) ->
         "e2e_tok_s": _ratio(new_tokens, prefill_s + decode_s),
         "mean_ttft_s": sum(r.ttft_s for r in records) / len(records) if records else 0.0,
         "rounds": len(rounds),
+        "captures": sum(r.captures for r in records),
         "committed_tokens": committed,
         "mean_committed_per_round": committed / len(rounds) if rounds else 0.0,
         "block_size": block_size,
@@ -217,6 +219,7 @@ def generation_to_dict(rec: GenerationRecord) -> dict:
         "decode_tok_s": rec.decode_tok_s,
         "e2e_tok_s": rec.e2e_tok_s,
         "num_rounds": len(rec.rounds),
+        "captures": int(rec.captures),
         **{k: counters[k] for k in _PROMPT_COUNTERS},
         "token_ids": [int(t) for t in rec.token_ids],
         "text": rec.text,
@@ -259,6 +262,7 @@ def generation_from_dict(d: dict) -> GenerationRecord:
         method=d["method"],
         budget=d.get("budget"),
         rounds=rounds,
+        captures=d.get("captures", 0),
     )
 
 
@@ -378,7 +382,8 @@ _OPT_INT = {"type": ["integer", "null"]}
 
 # Keys added after documents were first written: written by this version, not required of a
 # document (older ddtree.stats/1 files stay valid; readers fall back, see tokens_per_forward).
-_ADDED = {"tokens_per_target_forward", "num_plain_steps", "budget_setting", "interrupted", "interrupted_prompt"}
+_ADDED = {"tokens_per_target_forward", "num_plain_steps", "budget_setting", "interrupted", "interrupted_prompt",
+          "captures"}
 
 # what an aggregate and a per-prompt entry both hold
 _TOTALS = {"prompt_tokens": _INT, "new_tokens": _INT, "prefill_s": _NUM, "decode_s": _NUM, "decode_tok_s": _NUM,
@@ -389,7 +394,8 @@ _COUNTERS = {"tokens_per_target_forward": _NUM, "num_plain_steps": _INT, "num_dr
 _PROMPT_COUNTERS = tuple(_COUNTERS)
 
 _AGGREGATE = {
-    "num_prompts": _INT, **_TOTALS, "total_s": _NUM, "mean_ttft_s": _NUM, "rounds": _INT, "committed_tokens": _INT,
+    "num_prompts": _INT, **_TOTALS, "total_s": _NUM, "mean_ttft_s": _NUM, "rounds": _INT, "captures": _INT,
+    "committed_tokens": _INT,
     "mean_committed_per_round": _NUM, "block_size": _OPT_INT, **_COUNTERS,
     "num_accepted_tokens_per_pos": _INTS,
     "draft_acceptance_rate": _NUM,
@@ -416,7 +422,7 @@ _ROUNDS = {
 
 _PROMPT = {
     "prompt_id": {"type": "string"}, "method": {"type": "string"}, "budget": _OPT_INT, **_TOTALS,
-    "ttft_s": _NUM, "num_rounds": _INT, **_COUNTERS, "token_ids": _INTS, "text": {"type": "string"},
+    "ttft_s": _NUM, "num_rounds": _INT, "captures": _INT, **_COUNTERS, "token_ids": _INTS, "text": {"type": "string"},
     "rounds": {"type": "object", "required": list(_ROUNDS), "properties": _ROUNDS},
 }
 

@@ -8,8 +8,9 @@
 Each row is one `ddtree bench` (ar, dflash, ddtree 8/16/32/64 and auto; 8 prompts x 128 new tokens,
 greedy, raw prompts, one warm-up; the runs interleaved prompt by prompt) whose document lands in --out-dir as
 codepair-<drafter>-<dtype>.json; the table says decode tok/s per method, the best fixed method,
-auto's ratio to it (the target: at least 0.97), how often auto took a plain step, and whether
-every method equalled ar (float32 rows). A summary JSON (bench-auto.json) holds the table.
+auto's ratio to it (the target: at least 0.97), how often auto took a plain step, the graph pieces
+captured or compiled inside timed prompts (per method; 0 where the warm-up covered every key), and
+whether every method equalled ar (float32 rows). A summary JSON (bench-auto.json) holds the table.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def summarise(doc: dict) -> dict:
     exact = [r.get("exact_match_vs_ar") for r in doc["runs"] if r["method"] != "ar"]
     return {"tok_s": tok_s, "best_fixed": best, "auto_vs_best": tok_s.get("ddtree-auto", 0.0) / fixed[best],
             "auto_plain_share": hist.get("0", 0) / n, "auto_histogram": hist,
+            "captures": {k: r["aggregate"].get("captures") for k, r in runs.items()},
             "all_exact": None if any(e is None for e in exact) else all(exact)}
 
 
@@ -81,14 +83,15 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{name} {dtype}: " + ", ".join(f"{k} {v:.0f}" for k, v in row["tok_s"].items())
                   + f"; auto / {row['best_fixed']} {row['auto_vs_best']:.3f}, plain {row['auto_plain_share']:.0%}, "
+                  f"captures in timed prompts {sum(v or 0 for v in row['captures'].values())}, "
                   f"exact {row['all_exact']} ({row['seconds']:.0f} s)", flush=True)
-    head = ["drafter", "dtype"] + list(FIXED) + ["auto", "best fixed", "auto / best", "plain", "exact"]
+    head = ["drafter", "dtype"] + list(FIXED) + ["auto", "best fixed", "auto / best", "plain", "captures", "exact"]
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         t = r["tok_s"]
         print("| " + " | ".join([r["drafter"], r["dtype"]] + [f"{t.get(k, 0):.0f}" for k in FIXED + ("ddtree-auto",)]
                                 + [r["best_fixed"], f"{r['auto_vs_best']:.3f}", f"{r['auto_plain_share']:.0%}",
-                                   str(r["all_exact"])]) + " |")
+                                   str(sum(v or 0 for v in r["captures"].values())), str(r["all_exact"])]) + " |")
     (args.out_dir / "bench-auto.json").write_text(json.dumps({"rows": rows, "seconds": time.perf_counter() - t_all}, indent=1))
     print(f"\n{time.perf_counter() - t_all:.0f} s in all; wrote {args.out_dir / 'bench-auto.json'}")
     return 0

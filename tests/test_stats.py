@@ -39,11 +39,13 @@ def ddtree_records() -> list[GenerationRecord]:
             RoundRecord(8, 3, 0, [], 1, _t(1, 0.5, 4, 0.5)),
             RoundRecord(6, 5, 4, [0, 0, 2, 0], 3, _t(2, 1, 6, 1)),  # cut by max_new_tokens
         ],
+        captures=2,
     )
     b = GenerationRecord(
         prompt_id="b", prompt_tokens=20, new_tokens=3, token_ids=[5, 6, 7], text="bbb",
         prefill_s=0.5, decode_s=1.0, ttft_s=0.4, method="ddtree", budget=8,
         rounds=[RoundRecord(8, 2, 1, [1], 2, _t(1, 0.5, 4, 0.5))],
+        captures=1,
     )
     return [a, b]
 
@@ -75,6 +77,7 @@ def test_aggregate_hand_computed():
     assert agg["e2e_tok_s"] == pytest.approx(2.75)
     assert agg["mean_ttft_s"] == pytest.approx(0.5)
     assert agg["rounds"] == 4
+    assert agg["captures"] == 3
     assert agg["committed_tokens"] == 9
     assert agg["mean_committed_per_round"] == pytest.approx(2.25)
     # vLLM counters
@@ -128,7 +131,7 @@ def test_generation_to_dict_compact_and_roundtrip():
     rec = ddtree_records()[0]
     d = generation_to_dict(rec)
     assert d["prompt_id"] == "a" and d["budget"] == 8 and d["method"] == "ddtree"
-    assert d["num_rounds"] == 3 and d["num_accepted_tokens"] == 6
+    assert d["num_rounds"] == 3 and d["num_accepted_tokens"] == 6 and d["captures"] == 2
     assert d["mean_acceptance_length"] == pytest.approx(3.0)
     assert d["rounds"]["tree_size"] == [8, 8, 6]
     assert d["rounds"]["accepted"] == [2, 0, 4]

@@ -398,6 +398,9 @@ class _Bench:
                     f"{len(records)} prompts ({gaps}); in float32 this is a bug, in bf16/fp16 a gap of a few "
                     "logit ulps is a near-tie that the tree's and the step's different rounding broke apart"
                 )
+        if captures := sum(r.captures for r in records):  # compile and capture time inside the timed decode
+            logger.warning(f"{_label(method, budget)}: {captures} graph piece(s) captured or compiled inside timed "
+                           "prompts; their time is in the run's decode time (raise --warmup)")
         run_budget = budget
         if budget == "auto":  # the decoder picked per round: the run has no one budget
             run_budget = None

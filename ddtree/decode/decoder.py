@@ -409,7 +409,7 @@ class Decoder:
         clock = StageClock(dev)
         rounds: list[RoundRecord] = []
         pending: list[list] = []
-        t_dec = time.perf_counter()
+        t_dec, keys0 = time.perf_counter(), self.graphs.new_keys
         if pre.bonus not in stop_ids and len(out) < job.max_new_tokens:
             policy = auto_budget.policy_for(self, method, job.budget, job.k, chooser) if pipeline else None
             if policy is not None:
@@ -428,6 +428,7 @@ class Decoder:
             prompt_id="", prompt_tokens=pre.prompt_len, new_tokens=len(out), token_ids=out, text="",
             prefill_s=pre.prefill_s or pre.ttft_s, decode_s=decode_s, ttft_s=pre.ttft_s, method=method,
             budget=(job.budget if not job.auto else None) if method == "ddtree" else None, rounds=rounds,
+            captures=self.graphs.new_keys - keys0,
         )
 
 

@@ -445,3 +445,31 @@ def test_bench_prompt_tokens(tiny_pair, tmp_path, one_thread):
     assert doc["runs"][1]["exact_match_vs_ar"] is True
     bad = CliRunner().invoke(app, ["bench", "--target", str(tdir), "--prompt-tokens", "0"])
     assert bad.exit_code == 2 and "--prompt-tokens" in bad.stderr
+
+
+def test_bench_warns_of_captures_inside_timed_prompts():
+    """A run whose timed prompts captured or compiled graph pieces says so in one warning (its
+    decode time holds them); none, no warning."""
+    from types import SimpleNamespace
+
+    from loguru import logger
+
+    from ddtree.app.bench import _Bench
+    from ddtree.decode.sampling import SamplingParams
+    from ddtree.stats import GenerationRecord
+
+    def rec(pid, captures):
+        return GenerationRecord(pid, 4, 2, [1, 2], "", 0.1, 0.2, 0.1, "ddtree", None, [], captures=captures)
+
+    b = _Bench(SimpleNamespace(block_size=16), [], [], SamplingParams(temperature=0.5), 2, 0, False, False,
+               lambda s: None)
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="WARNING", format="{message}")
+    try:
+        b.finish_run("ddtree", "auto", [rec("a", 0), rec("b", 0)])
+        assert lines == []
+        b.finish_run("ddtree", "auto", [rec("a", 2), rec("b", 1)])
+    finally:
+        logger.remove(sink)
+    assert len(lines) == 1 and "3 graph piece(s) captured or compiled inside timed prompts" in lines[0], lines
+    assert "ddtree" in lines[0] and "--warmup" in lines[0]

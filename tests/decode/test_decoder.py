@@ -235,6 +235,45 @@ def test_first_token_streams_before_the_drafters_first_block(hybrid0):
         del dec.draft_topk
 
 
+def test_a_generation_counts_the_graph_pieces_its_rounds_ran_first(hybrid0, monkeypatch):
+    """GenerationRecord.captures: the pieces that the rounds (not the prefill) ran for the first
+    time, each a capture or a compile whose time is in decode_s (bench warns when a timed prompt
+    has any). Here every key's first run counts, as under graphs."""
+    from ddtree.decode import auto as auto_budget
+
+    dec = hybrid0
+    runner, real = dec.graphs, dec.graphs._run
+    seen: set = set()
+
+    def first_runs(key, fn, keep):
+        if key not in seen:
+            seen.add(key)
+            runner.new_keys += 1
+        return real(key, fn, keep)
+
+    mark = {}
+
+    def calibrate(*a, **k):  # auto's calibration runs before the rounds' clock starts: not counted
+        out = real_calibrate(*a, **k)
+        mark["rounds"] = len(seen)
+        return out
+
+    monkeypatch.setattr(runner, "_run", first_runs)
+    real_calibrate = auto_budget.calibrate
+    monkeypatch.setattr(auto_budget, "calibrate", calibrate)
+    prompt = _prompt(7, 12)
+    counts = []
+    for method, budget in (("ar", 1), ("ddtree", 8), ("ddtree", 8), ("ddtree", "auto")):
+        job = dec.job(method, budget, max_new_tokens=10, prompt_len=len(prompt))
+        pre = dec.prefill(prompt, job)
+        mark["rounds"] = len(seen)
+        rec = dec.decode(pre, job)
+        assert rec.captures == len(seen) - mark["rounds"], (method, budget)
+        counts.append(rec.captures)
+    assert counts[0] > 0 and counts[1] > 0 and counts[2] == 0, counts  # the same run again finds every key
+    assert dec.generate(prompt, "ddtree", budget=8, max_new_tokens=10).captures == 0
+
+
 def test_stop_token_as_first_token(hybrid0):
     dec = hybrid0
     prompt = _prompt(3, 7)
