@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     target, _ = load_target(str(args.fixture / "target"), [torch.device("cpu")], torch.float32, 1024)
     drafter, _ = load_drafter(str(args.fixture / args.drafter), target, torch.float32, 1024)
     dec = Decoder(target, drafter)
-    budget.BudgetChooser.pick_eq = lambda self, eq, cap=None: (0, 0.0)  # every round a plain step
+    budget.BudgetChooser.pick_eq = lambda self, eq: (0, 0.0)  # every round a plain step
     budget.PLAIN_PROBE = 10 ** 6  # ... and no probe
     stats = {"ar": {"verify": [], "step": [], "round": []}, "auto": {"verify": [], "step": [], "round": []}}
     t0 = time.perf_counter()

@@ -248,10 +248,9 @@ def forced_chooser(cycle: list[int] = AUTO_CYCLE, probe_every: int | None = None
             if probe_every is not None:
                 self.probe_every = probe_every
 
-        def pick_eq(self, eq, cap=None):
+        def pick_eq(self, eq):
             self.calls += 1
             b = cycle[self.calls % len(cycle)]
-            assert cap is None or b <= cap, f"the staged tree ({cap}) does not cover the forced budget {b}"
             assert not b or b in eq, f"forced {b}, not among the arms at hand {sorted(eq)}"
             staged_chain = set(eq) == {CHAIN}  # (Auto offers a staged chain alone)
             assert not b or (b == CHAIN) == staged_chain, f"forced {b} with {'a chain' if staged_chain else 'a tree'} staged"

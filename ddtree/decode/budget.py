@@ -146,13 +146,12 @@ class BudgetChooser:
             return known[arm]
         if arm == 0:
             return self._base(0)
-        extra = [ms - self._base(a) for a, ms in known.items() if a != 0 and self.drafts(a)]
+        extra = [ms - self._base(a) for a, ms in known.items() if self.drafts(a)]
         return self._base(arm) + (min(extra) if extra else self.draft_ms)
 
-    def rates(self, eq: dict[int, float], cap: int | None = None) -> dict[int, float]:
-        """Expected tokens per ms of every arm at hand (eq: arm -> its E_q; cap: tree budgets up to it, no chain)."""
-        rate = {a: (1 + self.ratio() * e) / self.cost(a) for a, e in eq.items()
-                if self.drafts(a) and (cap is None or 0 < a <= cap)}
+    def rates(self, eq: dict[int, float]) -> dict[int, float]:
+        """Expected tokens per ms of every arm at hand (eq: arm -> its E_q) and of a plain step."""
+        rate = {a: (1 + self.ratio() * e) / self.cost(a) for a, e in eq.items() if self.drafts(a)}
         if self.plain_ms is not None:
             rate[0] = 1.0 / self.cost(0)
         return rate
@@ -163,14 +162,14 @@ class BudgetChooser:
         -> (budget, its predicted accepted length E_q)."""
         return self.pick_eq(expected_accepts(scores, self.verify_ms))
 
-    def pick_eq(self, eq: dict[int, float], cap: int | None = None) -> tuple[int, float]:
-        """eq: budget -> E_q(budget) of the tree at hand (or the latest one seen); the candidates are
-        the budgets it covers, up to cap (the budget of the tree that will be truncated), and 0.
+    def pick_eq(self, eq: dict[int, float]) -> tuple[int, float]:
+        """eq: arm -> E_q(arm) of what is at hand (the budgets a host-built tree covers; in the
+        pipeline the staged arm alone, Auto.at_hand); the candidates are those arms and 0.
         The round's E_q chooses among the budgets; plain steps against trees is the arms' average
         (`plain_pays`): one low E_q would buy a plain step and a probe's drafting to come back,
         unless no tree at hand is worth its verify (`worth_verify`).
         -> (arm, its E_q)."""
-        rate = self.rates(eq, cap)
+        rate = self.rates(eq)
         rate.pop(0, None)
         if not rate or self.plain_pays(eq) or not self.worth_verify(eq, rate):
             return 0, 0.0
@@ -225,7 +224,7 @@ class BudgetChooser:
             return self.last_build
         known, avg = self.mem.cost_ms, self.mem.eq_avg
         arms = [a for a in avg if self.drafts(a)]
-        if arms and any(a != 0 and self.drafts(a) for a in known):
+        if arms and any(self.drafts(a) for a in known):
             self.last_build = max(arms, key=lambda a: (1 + self.ratio() * avg[a]) / self.cost(a))
         return self.last_build
 

@@ -130,7 +130,7 @@ def test_the_step_stages_the_arm_the_averages_say_pays():
     (the chain first where it is on, else the block chain's size, 15); then the arm with the best
     rate on the average E_q at the measured costs, where an untried arm is priced at its verify
     plus the cheapest step seen (so it is tried once it could win); after plain steps the last
-    build. An E_q curve only offers what the staged tree covers, and no chain past a cap."""
+    build. pick_eq chooses among the arms at hand: a host-built tree's budgets, or a staged arm."""
     from ddtree.decode.budget import CHAIN
 
     verify = {4: 1.0, 8: 1.0, 15: 1.0, 32: 1.0, 64: 1.0}
@@ -150,8 +150,7 @@ def test_the_step_stages_the_arm_the_averages_say_pays():
         ch.update(8, 3.0, 3, wall_ms=1.7)
     assert ch.build_for(8, 3) == CHAIN  # 3 tokens in 1.2 ms beats 4 in 1.7
     assert ch.build_for(0, 4) == CHAIN  # a probe builds the last build
-    eq = {4: 3.0, 8: 5.0, CHAIN: 9.0}  # a staged tree of budget 8: the largest covered wins, no chain
-    assert ch.pick_eq(eq, cap=8)[0] == 8 and ch.pick_eq(eq, cap=4)[0] == 4
+    assert ch.pick_eq({4: 3.0, 8: 5.0})[0] == 8 and ch.pick_eq({4: 3.0})[0] == 4  # a tree's budgets; a staged 4
     assert ch.pick_eq({CHAIN: 9.0})[0] == CHAIN  # a staged chain
     assert trees.pick_eq({CHAIN: 9.0}) == (0, 0.0)  # without the chain arm: nothing at hand
 
@@ -266,7 +265,7 @@ def test_a_probe_is_answered_by_a_verified_tree_and_backs_off():
             super().__init__(*a, **kw)
             self.probe_every = 3
 
-        def pick_eq(self, eq, cap=None):
+        def pick_eq(self, eq):
             return 0, 0.0
 
         def plain_pays(self, eq=None):  # nor a probe before its interval
