@@ -255,6 +255,7 @@ def build_random_on_devices(raw_target: dict, raw_drafter: dict | None, devices,
     cfg = TargetConfig.from_dict(raw_target)
     with torch.device("meta"), NoInit():
         target = TargetModel(cfg)
+    target.to(dtype)  # cast on the meta device: materialised in float32 first, the 27B takes 108 GB
     dcfg = DrafterConfig.from_dict(raw_drafter, cfg.num_layers) if raw_drafter is not None else None
     split = place(cfg, dcfg, devices, Workload(max_len=max_len, dtype=dtype))
     placement = split.layer_devices
@@ -263,7 +264,6 @@ def build_random_on_devices(raw_target: dict, raw_drafter: dict | None, devices,
         layer.to_empty(device=dev)
     target.norm.to_empty(device=devices[-1])
     target.lm_head.to_empty(device=devices[-1])
-    target.to(dtype)
     init_on_device_(target, seed)
     for p in target.parameters():
         p.requires_grad_(False)
@@ -273,9 +273,9 @@ def build_random_on_devices(raw_target: dict, raw_drafter: dict | None, devices,
     if raw_drafter is not None:
         with torch.device("meta"), NoInit():
             drafter = DFlashDrafter(dcfg)
+        drafter.to(dtype)
         drafter.to_empty(device=split.drafter_device)
         drafter.stage = split.drafter_stage
-        drafter.to(dtype)
         init_on_device_(drafter, seed + 1)
         for p in drafter.parameters():
             p.requires_grad_(False)
