@@ -69,6 +69,46 @@ def copy_bandwidth(gb: float = 4.0) -> float:
     return 2 * n / (ms * 1e-3)  # bytes/s, read + write
 
 
+def kernel_category(name: str) -> str:
+    """A kernel's part of a forward: `gemm` (weight GEMMs and their split-K reductions: they read
+    the weights, the part that scales with memory bandwidth), `attention`, `gdn` (the GDN
+    recurrence's own kernels), or `other` (norms, pointwise, copies, the tree build, the walk)."""
+    n = name.lower()
+    if any(s in n for s in ("nvjet", "gemm", "cutlass", "splitk", "sm90_xmma", "ampere_", "cublas")):
+        return "gemm"
+    if "attn" in n or "sdpa" in n or "flash" in n or "fmha" in n:
+        return "attention"
+    if "gdn" in n or "gated_delta" in n or "recompute_w_u" in n or "chunk_fwd_kernel_o" in n:
+        return "gdn"
+    return "other"
+
+
+def profile_kernels(fn, reps: int = 3, top: int = 30) -> dict:
+    """fn() (a graph replay or a decode) `reps` times under torch.profiler: device time per call by
+    category (kernel_category) and the `top` kernels by time, in us per call."""
+    from collections import defaultdict
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name][0] += 1
+            per[e.name][1] += e.device_time_total
+    cats: dict = defaultdict(float)
+    for name, (_, us) in per.items():
+        cats[kernel_category(name)] += us / reps
+    kernels = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"us_by_category": dict(cats), "kernel_us": sum(cats.values()),
+            "launches": sum(c for c, _ in per.values()) / reps,
+            "top": [{"name": n[:120], "count": c / reps, "us": us / reps} for n, (c, us) in kernels]}
+
+
 def random_tree(T: int, vocab: int, depth: int = 15, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     k = max(T - 1, 1)
@@ -108,7 +148,8 @@ class DraftKey:
     commits = None
 
 
-def measure_context(dec: Decoder, L: int, sizes, budgets, gen_tokens: int, cfg: TargetConfig) -> dict:
+def measure_context(dec: Decoder, L: int, sizes, budgets, gen_tokens: int, cfg: TargetConfig,
+                    profile: bool = False) -> dict:
     """Every per-context figure (see the module docstring) at a committed length of L tokens."""
     r: dict = {"context": L}
     prompt = torch.randint(10, 1000, (L,), generator=torch.Generator().manual_seed(L)).tolist()
@@ -150,10 +191,14 @@ def measure_context(dec: Decoder, L: int, sizes, budgets, gen_tokens: int, cfg: 
         key = VerifyKey(T, dec.kv_len(start + T), True, True)
         dec.graphs.run(key, lambda: dec._verify(slot, key))
         r["verify_ms"][T] = event_time(lambda: dec.graphs.replay(key))
+        if profile:
+            r.setdefault("verify_profile", {})[T] = profile_kernels(lambda: dec.graphs.replay(key))
     bonus = torch.tensor(5, device=dec.target.device)
     dkey = DraftKey(dec.kv_len(start + dec.block_size), kmax)
     dec.graphs.run(dkey, lambda: dec.draft_topk(bonus, dkey.kv_len, dkey.k, greedy))
     r["draft_ms"] = event_time(lambda: dec.graphs.replay(dkey))
+    if profile:
+        r["draft_profile"] = profile_kernels(lambda: dec.graphs.replay(dkey))
     # --- rounds
     r["rounds"] = {}
     for method, b in [("dflash", 15)] + [("ddtree", b) for b in budgets]:
@@ -167,6 +212,20 @@ def measure_context(dec: Decoder, L: int, sizes, budgets, gen_tokens: int, cfg: 
             "stage_ms": {s: statistics.mean(x.times_ms.get(s, 0.0) for x in rec.rounds) for s in ("verify", "draft", "host")},
             "outside_forwards_ms": round_ms - verify - r["draft_ms"],
         }
+        if profile:  # one decode's kernels, per round
+            rec_box = []
+            p = profile_kernels(lambda: rec_box.append(decode(method, b, gen_tokens)), reps=1)
+            n = len(rec_box[-1].rounds)
+            r["rounds"][f"{method}:{b}"]["profile_per_round"] = {
+                "us_by_category": {c: us / n for c, us in p["us_by_category"].items()}, "kernel_us": p["kernel_us"] / n,
+                "launches": p["launches"] / n, "top": [dict(x, us=x["us"] / n, count=x["count"] / n) for x in p["top"]]}
+    if profile:  # the AR step's kernels, per step
+        rec_box = []
+        p = profile_kernels(lambda: rec_box.append(decode("ar", 1, gen_tokens)), reps=1)
+        n = max(rec_box[-1].new_tokens - 1, 1)
+        r["ar_profile_per_step"] = {"us_by_category": {c: us / n for c, us in p["us_by_category"].items()},
+                                    "kernel_us": p["kernel_us"] / n, "launches": p["launches"] / n,
+                                    "top": [dict(x, us=x["us"] / n, count=x["count"] / n) for x in p["top"]]}
     restore_state(saved)
     return r
 
@@ -204,7 +263,7 @@ def hf_ms_per_token(target, raw_cfg: dict, ctx: int, steps: int = 5) -> float | 
 
 
 def bench_preset(name: str, devices: list[str], contexts: list[int], budgets: list[int], sizes: list[int],
-                 hf: bool, gen_tokens: int, options: Options) -> dict:
+                 hf: bool, gen_tokens: int, options: Options, profile: bool = False) -> dict:
     mk_t, mk_d = PRESETS[name]
     raw_t, raw_d = mk_t(), mk_d()
     cfg = TargetConfig.from_dict(raw_t)
@@ -224,7 +283,8 @@ def bench_preset(name: str, devices: list[str], contexts: list[int], budgets: li
         dec.prefill(torch.randint(10, 1000, (L,)).tolist(), dec.job("ddtree", max(budgets), SamplingParams(), 8, 0, False, L))
     for L in contexts:
         torch.cuda.reset_peak_memory_stats()
-        r = res["contexts"][L] = measure_context(dec, L, sizes, budgets, gen_tokens, cfg)
+        r = res["contexts"][L] = measure_context(dec, L, sizes, budgets, gen_tokens, cfg,
+                                                            profile=profile and L == min(contexts))
         print(json.dumps({name: {L: r}}, default=str), file=sys.stderr, flush=True)
     if hf:
         res["hf_ms_per_token"] = hf_ms_per_token(target, raw_t, min(contexts))
@@ -288,6 +348,9 @@ def main():
     ap.add_argument("--codepair-dtypes", default="bfloat16")
     ap.add_argument("--codepair-drafters", default="drafter")
     ap.add_argument("--parts", default="main", help="comma-separated: main (the preset at --contexts), dense, codepair")
+    ap.add_argument("--profile", action="store_true",
+                    help="at the first context, each verify size, the drafter, the AR step and each round under torch.profiler: "
+                         "device time by kind (gemm, attention, gdn, other) and the top kernels")
     ap.add_argument("--out", default="results/engine.json")
     a = ap.parse_args()
     parts = set(a.parts.split(",")) | ({"dense"} if a.dense else set()) | ({"codepair"} if a.codepair else set())
@@ -307,7 +370,7 @@ def main():
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     if "main" in parts:
         out["main"] = bench_preset(a.preset, a.devices.split(","), ints(a.contexts), ints(a.budgets), ints(a.sizes), a.hf,
-                                   a.gen_tokens, options)
+                                   a.gen_tokens, options, profile=a.profile)
         save()
     if "dense" in parts:
         out["dense"] = bench_preset("qwen3-8b", a.devices.split(",")[:1], [512], [32], [1, 33], False, a.gen_tokens,
@@ -350,6 +413,13 @@ def report(out: dict):
                   + " ".join(f"{ms / base['verify_ms'][T]:6.2f}" for T, ms in r["verify_ms"].items())
                   + f" {r['draft_ms'] / base['draft_ms']:6.2f} "
                   + " ".join(f"{r['rounds'][k]['round_ms'] / base['rounds'][k]['round_ms']:10.2f}" for k in rk))
+        vp = base.get("verify_profile")
+        if vp:
+            print("  verify kernels by kind at the first context (us: gemm / attention / gdn / other = kernel time; launches):")
+            for T, p in vp.items():
+                c = p["us_by_category"]
+                print(f"    v{T:<4} " + " / ".join(f"{c.get(k, 0.0):7.0f}" for k in ("gemm", "attention", "gdn", "other"))
+                      + f" = {p['kernel_us']:7.0f} us; {p['launches']:.0f} launches")
         print("  outside the two forwards (ms): " + ", ".join(f"{k} {base['rounds'][k]['outside_forwards_ms']:.2f}" for k in rk))
         trees = [k for k in rk if k.startswith("ddtree:")]
         if "dflash:15" in rk and trees:
