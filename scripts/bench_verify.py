@@ -132,6 +132,49 @@ def random_parents(T: int, seed: int) -> list[int]:
                    for i in range(1, T)]
 
 
+def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int, int]], rows: list, save) -> None:
+    """The engine's GDN paths of a verify from the layer's projection, less the projection's time:
+    `blocked prologue` (gdn_prologue, then gdn_tree_blocked: three launches) against the one-tile
+    kernel with the prologue inside (gdn_tree_prologue: one launch), at its default tiles and at
+    each (BV, warps, KC) of `tiles`, with the root folded where one_tile_root says. A row per size."""
+    model = gdn_layer(tc)
+    layer = model.layers[0].linear_attn
+    prec = resolve(Options(), DEV).tree_precision
+    for T in nodes:
+        parents = torch.tensor(random_parents(T, T), device=DEV)
+        mask = ancestor_mask_from_parents(parents.tolist()).to(DEV)
+        step = model.make_step(torch.arange(T, device=DEV) + 100, mask, parents, torch.tensor(100, device=DEV), 100 + T)
+        x = torch.randn(T, tc["hidden_size"], device=DEV, dtype=torch.bfloat16)
+        q, k, v, g, beta, _, _ = layer.qkvgb(x, step)
+        kb, ub, cb = layer.wy_bufs
+        scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
+        S0 = layer.rec_state
+        ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask)
+        proj_ms = graph_ms(lambda: layer.project(x))
+
+        def blocked():
+            pj, ex = layer.project(x)
+            return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, pj, ex, step.window), S0, mask, scratch, prec)
+
+        def one(t=None):
+            pj, ex = layer.project(x)
+            return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
+
+        row = dict(T=T, root=gdn_tree.one_tile_root(T), default_tiles=gdn_tree.launch_tiles(T, layer.dv, layer.dk), paths={})
+        for name, fn in [("blocked prologue", blocked), ("one", one)] + [
+                (f"one BV{t[0]} w{t[1]} KC{t[2]}", lambda t=t: one(t)) for t in tiles]:
+            try:
+                o = fn()
+                row["paths"][name] = dict(ms=graph_ms(fn) - proj_ms, err=((o.float() - ref).norm() / ref.norm()).item())
+            except Exception as e:  # a tile past the shared memory: noted, not fatal
+                row["paths"][name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
+        rows.append(row)
+        save()
+        print(f"T={T:3d} root={int(row['root'])} from the projection: " + "  ".join(
+            f"{n} {v['ms'] * 1e3:.1f} us ({v['err']:.0e})" if "ms" in v else f"{n} {v['error'][:40]}"
+            for n, v in row["paths"].items()), flush=True)
+
+
 def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save, core_only: bool = False,
               blocks: tuple[int, ...] = ()) -> None:
     """A row per tree size, appended to `rows`; save() after each (a stopped run keeps what it measured).
@@ -177,7 +220,7 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
 
         with_proj = {blocked_prologue}
         proj_ms = graph_ms(lambda: layer.project(x))
-        row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
+        row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv, layer.dk), paths={})
         for name, fn in () if core_only else (("wy", wy), ("kernel", kernel), ("prologue", prologue)):
             row["paths"][name] = dict(ms=graph_ms(fn) - proj_ms, err=err(fn()))
         sweep = {}
@@ -229,12 +272,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="1,16,17,32,33,64")
     ap.add_argument("--parts", default="gemms,gdn",
-                    help="comma-separated: gemms, gdn (whole-layer paths and the tile sweep), core (the recurrence alone)")
+                    help="comma-separated: gemms, gdn (whole-layer paths and the tile sweep), core (the recurrence alone), "
+                         "tile (the engine's paths from the projection: blocked against the one-tile kernel)")
     ap.add_argument("--tiles", nargs="*", default=["16,4", "32,4", "32,8", "64,8", "16,8"],
                     help="BV,WARPS pairs of the one-kernel paths to sweep")
     ap.add_argument("--blocks", type=int, nargs="*", default=[16, 64],
                     help="gdn_tree_blocked's block sizes to time besides its rule's (core), with and without the root "
                          "folded, at its tiles and at each of --tiles")
+    ap.add_argument("--tile-sweep", nargs="*", default=["32,4,32", "32,4,64", "32,4,128", "32,8,32", "32,8,64", "16,4,32",
+                                                         "64,4,32", "64,8,64", "16,8,64"],
+                    help="BV,WARPS,KC triples of the one-tile kernel (part tile)")
     ap.add_argument("--gemm-backends", default="cublas",
                     help="comma-separated BLAS backends of the gemms part: cublas, cublaslt")
     ap.add_argument("--out", default=None)
@@ -266,6 +313,8 @@ def main():
                 tot = sum(r["model_ms"] for r in mine)
                 print(f"{backend:8s} T={T:3d}  GEMMs of the model {tot:7.3f} ms  " + "  ".join(
                     f"{r['name']} {r['ms'] * 1e3:.1f}us({r['roofline_frac']:.0%})" for r in mine), flush=True)
+    if "tile" in parts:
+        bench_tile(tc, nodes, [tuple(int(v) for v in s.split(",")) for s in a.tile_sweep], out.setdefault("tile", []), save)
     for part in ("gdn", "core"):
         if part in parts:
             bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],

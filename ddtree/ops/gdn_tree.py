@@ -93,6 +93,34 @@ def _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mrow):
     return gg, tl.where(mrow, 1.0 / (1.0 + tl.exp(-bb)), 0.0)
 
 
+def _conv_rows(ext, window, conv_w, C, ch, rows, mrow, mch, W: tl.constexpr):
+    """The depthwise tree convolution + SiLU of conv channels `ch` (mch: valid) for tree nodes
+    `rows` (mrow: valid), rounded to the model dtype as tree_conv's output is, before any norm.
+    -> [R, len(ch)] fp32, 0 on invalid rows."""
+    f32 = tl.float32
+    m = mrow[:, None] & mch[None, :]
+    acc = tl.zeros((rows.shape[0], ch.shape[0]), dtype=f32)
+    for j in tl.static_range(W):  # the taps of each node's window
+        row = tl.load(window + rows * W + j, mask=mrow, other=0)
+        acc += tl.load(conv_w + j * C + ch, mask=mch, other=0.0)[None, :] * \
+            tl.load(ext + row[:, None] * C + ch[None, :], mask=m, other=0.0).to(f32)
+    return (acc / (1.0 + tl.exp(-acc))).to(ext.dtype.element_ty, fp_downcast_rounding="rtne").to(f32)
+
+
+def _qk_chunk(q, k, s_qt, s_qh, s_kt, s_kh, ext, window, conv_w, C, h, rows, mrow, cols, mc,
+              PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, W: tl.constexpr):
+    """Key channels `cols` of q and k for nodes `rows`: from the projection's conv inputs before
+    their l2 norms (PROLOGUE), else the ready (normed) rows. -> Q, K [R, len(cols)] fp32."""
+    f32 = tl.float32
+    if PROLOGUE:
+        cq = h // REP * DK + cols  # q's conv channels of this value head's key head; k's follow q's
+        return (_conv_rows(ext, window, conv_w, C, cq, rows, mrow, mc, W),
+                _conv_rows(ext, window, conv_w, C, KD + cq, rows, mrow, mc, W))
+    m = mrow[:, None] & mc[None, :]
+    return (tl.load(q + rows[:, None] * s_qt + h * s_qh + cols[None, :], mask=m, other=0.0).to(f32),
+            tl.load(k + rows[:, None] * s_kt + h * s_kh + cols[None, :], mask=m, other=0.0).to(f32))
+
+
 def _gdn_tree_kernel(
     q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
@@ -101,48 +129,126 @@ def _gdn_tree_kernel(
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr,
     PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
+    ROOT: tl.constexpr, KC: tl.constexpr,
 ):
     # One program per (value head, block of BV value channels): the solve is column-wise in v, so
-    # the blocks are independent; each recomputes the [T, T] masks (cheap) and keeps few live tiles.
+    # the blocks are independent; each recomputes the [BT, BT] masks (cheap). ROOT: node 0 is an
+    # ancestor of every node (a verify tree's root) and is one delta-rule step first, S' = e^g0 S
+    # + k0 u0^T; the tile holds nodes 1.. with decays relative to it, so a tree of 2^n + 1 nodes
+    # takes a 2^n tile, not 2^(n+1). The key channels go in chunks of KC: every product over them
+    # (k S, q S, k k^T, q k^T) is a sum over chunks, and with the prologue the l2 norms scale the
+    # sums afterwards, so no [BT, DK] tile is live (at BT 32, DK 128 whole tiles spill).
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0  # writes the head's k and c scratch
     f32 = tl.float32
+    NKC: tl.constexpr = BK // KC
     ot = tl.arange(0, BT)
-    ok = tl.arange(0, BK)
+    rows = ROOT + ot
+    okc = tl.arange(0, KC)
     ov = vb * BV + tl.arange(0, BV)
-    mt, mk, mv = ot < T, ok < DK, ov < DV
-    mtk = mt[:, None] & mk[None, :]
+    mt, mv = rows < T, ov < DV
     mtv = mt[:, None] & mv[None, :]
-    if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
-        cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
-        Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, ot, mt, mk, mv, DK, W)
-        gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, ot, mt)  # b, a after qkv and z
+    zb = C + HV * DV  # the projection's b, a columns follow qkv and z
+    if PROLOGUE:
+        gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mt)
+        V = _conv_rows(ext, window, conv_w, C, 2 * KD + h * DV + ov, rows, mt, mv, W)
     else:
-        K = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
-        gg = tl.load(g + ot * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
-        bb = tl.load(beta + ot * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
-    tl.store(kbuf + h * s_kbh + ot[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
-    on_path = tl.load(mask + ot[:, None] * T + ot[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
-    c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
-    tl.store(cbuf + h * s_cbh + ot, c, mask=mt & first)
+        gg = tl.load(g + rows * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
+        bb = tl.load(beta + rows * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
+        V = tl.load(v + rows[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+    on_path = tl.load(mask + rows[:, None] * T + rows[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0
+    c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each path (after the root)
     decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
+    c0 = 0.0
+    e0 = 1.0
+    r0 = ot < 1  # row 0 of a tile: the root's vectors as sums over axis 0
+    if ROOT:  # the root's step: u0 = b0 (v0 - e0 S^T k0), o0 = e0 S^T q0 + (q0.k0) u0
+        if PROLOGUE:
+            g0, b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, ot, r0)
+            v0 = tl.sum(_conv_rows(ext, window, conv_w, C, 2 * KD + h * DV + ov, ot, r0, mv, W), 0)
+        else:
+            g0 = tl.where(r0, tl.load(g + h * s_gh + ot * 0).to(f32), 0.0)
+            b0 = tl.where(r0, tl.load(beta + h * s_bh + ot * 0).to(f32), 0.0)
+            v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)
+        c0, b0 = tl.sum(g0, 0), tl.sum(b0, 0)
+        e0 = tl.exp(c0)
+        nq0 = 0.0
+        nk0 = 0.0
+        qk0 = 0.0
+        sq0 = tl.zeros((BV,), dtype=f32)
+        sk0 = tl.zeros((BV,), dtype=f32)
+        for j in tl.static_range(NKC):
+            cols = j * KC + okc
+            mc = cols < DK
+            Q0, K0 = _qk_chunk(q, k, s_qt, s_qh, s_kt, s_kh, ext, window, conv_w, C, h, ot, r0, cols, mc,
+                               PROLOGUE, REP, KD, DK, W)
+            q0, k0 = tl.sum(Q0, 0), tl.sum(K0, 0)
+            Sc = tl.load(S0 + h * DK * DV + cols[:, None] * DV + ov[None, :], mask=mc[:, None] & mv[None, :], other=0.0)
+            nq0 += tl.sum(q0 * q0, 0)
+            nk0 += tl.sum(k0 * k0, 0)
+            qk0 += tl.sum(q0 * k0, 0)
+            sq0 += tl.sum(q0[:, None] * Sc, 0)
+            sk0 += tl.sum(k0[:, None] * Sc, 0)
+        iq0 = 1.0
+        ik0 = 1.0
+        if PROLOGUE:
+            iq0 = 1.0 / tl.sqrt(nq0 + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+            ik0 = 1.0 / tl.sqrt(nk0 + 1e-6)
+        u0 = b0 * (v0 - e0 * ik0 * sk0)  # [BV]
+        tl.store(o + h * s_oh + ov, e0 * iq0 * sq0 + iq0 * ik0 * qk0 * u0, mask=mv)
+        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
+        tl.store(cbuf + h * s_cbh, c0, mask=first)
+    KS = tl.zeros((BT, BV), dtype=f32)
+    QS = tl.zeros((BT, BV), dtype=f32)
+    kk = tl.zeros((BT, BT), dtype=f32)
+    qk = tl.zeros((BT, BT), dtype=f32)
+    nk = tl.zeros((BT,), dtype=f32)
+    nq = tl.zeros((BT,), dtype=f32)
+    for j in tl.static_range(NKC):
+        cols = j * KC + okc
+        mc = cols < DK
+        Qc, Kc = _qk_chunk(q, k, s_qt, s_qh, s_kt, s_kh, ext, window, conv_w, C, h, rows, mt, cols, mc,
+                           PROLOGUE, REP, KD, DK, W)
+        Sc = tl.load(S0 + h * DK * DV + cols[:, None] * DV + ov[None, :], mask=mc[:, None] & mv[None, :], other=0.0)
+        if ROOT:  # S' = e0 S + k0 u0^T, this chunk of it
+            _, K0 = _qk_chunk(q, k, s_qt, s_qh, s_kt, s_kh, ext, window, conv_w, C, h, ot, r0, cols, mc,
+                              PROLOGUE, REP, KD, DK, W)
+            k0 = tl.sum(K0, 0) * ik0
+            Sc = e0 * Sc + k0[:, None] * u0[None, :]
+            tl.store(kbuf + h * s_kbh + cols, k0, mask=mc & first)
+        KS += tl.dot(Kc, Sc, input_precision=PREC)
+        QS += tl.dot(Qc, Sc, input_precision=PREC)
+        kk += tl.dot(Kc, tl.trans(Kc), input_precision=PREC)
+        qk += tl.dot(Qc, tl.trans(Kc), input_precision=PREC)
+        if PROLOGUE:
+            nk += tl.sum(Kc * Kc, 1)
+            nq += tl.sum(Qc * Qc, 1)
+        tl.store(kbuf + h * s_kbh + rows[:, None] * s_kbt + cols[None, :], Kc, mask=mt[:, None] & mc[None, :] & first)
+    if PROLOGUE:  # the l2 norms (q also * DK^-0.5), applied to the sums and to the scratch's k rows
+        ik = 1.0 / tl.sqrt(nk + 1e-6)
+        iq = 1.0 / tl.sqrt(nq + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+        KS = KS * ik[:, None]
+        QS = QS * iq[:, None]
+        kk = kk * ik[:, None] * ik[None, :]
+        qk = qk * iq[:, None] * ik[None, :]
+        tl.debug_barrier()  # the raw k rows above are read back, possibly by other threads
+        for j in tl.static_range(NKC):
+            cols = j * KC + okc
+            m = mt[:, None] & (cols < DK)[None, :] & first
+            at = kbuf + h * s_kbh + rows[:, None] * s_kbt + cols[None, :]
+            tl.store(at, tl.load(at, mask=m, other=0.0) * ik[:, None], mask=m)
+    tl.store(cbuf + h * s_cbh + rows, c + c0, mask=mt & first)
     ec = tl.exp(c)
-    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    if not PROLOGUE:
-        V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
-    U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision=PREC))  # right-hand side, solved in place
-    kk = tl.dot(K, tl.trans(K), input_precision=PREC)  # [BT, BT]
+    U = bb[:, None] * (V - ec[:, None] * KS)  # right-hand side, solved in place
     A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
-    if not PROLOGUE:
-        Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
-    O = ec[:, None] * tl.dot(Q, S, input_precision=PREC)
-    Pm = decay * tl.dot(Q, tl.trans(K), input_precision=PREC)
+    O = ec[:, None] * QS
+    Pm = decay * qk
     # (I + A) U = B without a serial substitution: A is strictly lower triangular (_squarings)
     U = _squarings(A, U - tl.dot(A, U, input_precision=PREC), NSQ, PREC)
     O += tl.dot(Pm, U, input_precision=PREC)
-    tl.store(o + ot[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
-    tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
+    tl.store(o + rows[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
+    tl.store(ubuf + h * s_ubh + rows[:, None] * s_ubt + ov[None, :], U, mask=mtv)
 
 
 def _gdn_prologue_kernel(
@@ -519,26 +625,29 @@ def fold_root(T: int, block: int = 16) -> bool:
 
 
 @eager  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
-def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None):
+def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, root: bool | None = None):
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
     channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
     does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
-    path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps). -> o [T, H, dv] fp32."""
+    path_mask [T, T] bool; tiles: (BV, warps, KC) or a prefix of it instead of launch_tiles' (sweeps);
+    root: fold node 0 (an ancestor of every node) into the state first, default one_tile_root.
+    -> o [T, H, dv] fp32."""
     T, H, dk = q.shape
     strides = _input_strides(q, k, v, g, beta)
-    return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles)
+    return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles,
+                        root)
 
 
 @eager
 def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
-                      precision: str = "ieee", tiles=None):
+                      precision: str = "ieee", tiles=None, root: bool | None = None):
     """The tree verify of GDN layer `layer` from its projection: the tree convolution + SiLU, q/k
     l2 norms, head repeat and gates (GatedDeltaNet.qkvgb) and then gdn_tree's recurrence, in one
     kernel. proj [T, N] the fused input projection (qkv | z | b | a); ext [hist + T, C] the conv
     inputs (state rows, then proj's qkv); window [T, width]. -> o [T, hv, dv] fp32, `out` written
     as gdn_tree writes it. Twin: qkvgb + gdn_tree (tests/ops/test_gdn_kernels.py)."""
     return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, proj.shape[0], layer.hv,
-                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles)
+                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles, root)
 
 
 def _prologue_args(layer, proj, ext, window) -> tuple:
@@ -567,11 +676,6 @@ def fused_tiles(dv: int) -> tuple[int, int]:
     return min(64, _tile(dv)), 8
 
 
-def launch_tiles(T: int, dv: int) -> tuple[int, int]:
-    """(BV value channels per program, warps) for a T-node tree."""
-    return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4
-
-
 def _input_strides(q, k, v, g, beta) -> tuple:
     """Both tree kernels' (row, head) strides of ready inputs; their channels must be contiguous."""
     for t in (q, k, v):
@@ -589,11 +693,34 @@ def _mask_and_output(path_mask, out, S0, T: int, H: int, dv: int):
     return path_mask.contiguous().view(torch.int8), torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
 
 
-def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None):
+def one_tile_root(T: int) -> bool:
+    """Fold a T-node tree's root into the state ahead of the one-tile kernel? Where that halves
+    the tile: T = 2^n + 1 (17, 33, 65), every budget's tree with its root. The fold is one
+    delta-rule step (a few vector products a program)."""
+    return T > 2 and _tile(T - 1) < _tile(T)
+
+
+def one_tile_nodes(T: int) -> int:
+    """The nodes the one-tile kernel's tile holds for a T-node tree (the root folded: one_tile_root)."""
+    return T - one_tile_root(T)
+
+
+def launch_tiles(T: int, dv: int, dk: int = 128) -> tuple[int, int, int]:
+    """(BV value channels per program, warps, KC key channels per chunk) of the one-tile kernel
+    for a T-node tree (its tile: one_tile_nodes). Chunks keep [BT, KC] operands at most 2048
+    elements: whole [32, 128] fp32 tiles with tf32x3 products spill."""
+    bt = _tile(one_tile_nodes(T))
+    return min(32, _tile(dv)), 8 if bt > 32 else 4, max(16, min(_tile(dk), 2048 // bt))
+
+
+def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None,
+                 root: bool | None = None):
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
-    BT = _tile(T)
-    BV, warps = tiles or launch_tiles(T, dv)
+    root = one_tile_root(T) if root is None else bool(root) and T > 1
+    BT = _tile(T - root)
+    BV, warps, KC = (tuple(tiles) + launch_tiles(T, dv, dk)[len(tiles or ()):]) if tiles else launch_tiles(T, dv, dk)
+    KC = min(KC, _tile(dk))
     prologue = pro is not None
     if not prologue:  # the prologue's pointer / int arguments go unused
         pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
@@ -605,15 +732,16 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             *pro[:9],
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
-            NSQ=max(0, (T - 1).bit_length() - 1), num_warps=warps,
+            NSQ=max(0, (T - root - 1).bit_length() - 1), num_warps=warps,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
-            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
+            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11], ROOT=int(root), KC=KC,
         )
     return o
 
 
 if triton is not None:
-    _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
+    _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of the kernels
+    _conv_rows, _qk_chunk = triton.jit(_conv_rows), triton.jit(_qk_chunk)
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
