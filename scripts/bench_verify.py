@@ -132,11 +132,11 @@ def random_parents(T: int, seed: int) -> list[int]:
                    for i in range(1, T)]
 
 
-def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int, int]], rows: list, save) -> None:
+def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save) -> None:
     """The engine's GDN paths of a verify from the layer's projection, less the projection's time:
     `blocked prologue` (gdn_prologue, then gdn_tree_blocked: three launches) against the one-tile
     kernel with the prologue inside (gdn_tree_prologue: one launch), at its default tiles and at
-    each (BV, warps, KC) of `tiles`, with the root folded where one_tile_root says. A row per size."""
+    each (BV, warps) of `tiles`, with the root folded where one_tile_root says. A row per size."""
     model = gdn_layer(tc)
     layer = model.layers[0].linear_attn
     prec = resolve(Options(), DEV).tree_precision
@@ -160,9 +160,9 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int, int]], ro
             pj, ex = layer.project(x)
             return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
-        row = dict(T=T, root=gdn_tree.one_tile_root(T), default_tiles=gdn_tree.launch_tiles(T, layer.dv, layer.dk), paths={})
+        row = dict(T=T, root=gdn_tree.one_tile_root(T), default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
         for name, fn in [("blocked prologue", blocked), ("one", one)] + [
-                (f"one BV{t[0]} w{t[1]} KC{t[2]}", lambda t=t: one(t)) for t in tiles]:
+                (f"one BV{t[0]} w{t[1]}", lambda t=t: one(t)) for t in tiles]:
             try:
                 o = fn()
                 row["paths"][name] = dict(ms=graph_ms(fn) - proj_ms, err=((o.float() - ref).norm() / ref.norm()).item())
@@ -220,7 +220,7 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
 
         with_proj = {blocked_prologue}
         proj_ms = graph_ms(lambda: layer.project(x))
-        row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv, layer.dk), paths={})
+        row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
         for name, fn in () if core_only else (("wy", wy), ("kernel", kernel), ("prologue", prologue)):
             row["paths"][name] = dict(ms=graph_ms(fn) - proj_ms, err=err(fn()))
         sweep = {}
@@ -279,9 +279,8 @@ def main():
     ap.add_argument("--blocks", type=int, nargs="*", default=[16, 64],
                     help="gdn_tree_blocked's block sizes to time besides its rule's (core), with and without the root "
                          "folded, at its tiles and at each of --tiles")
-    ap.add_argument("--tile-sweep", nargs="*", default=["32,4,32", "32,4,64", "32,4,128", "32,8,32", "32,8,64", "16,4,32",
-                                                         "64,4,32", "64,8,64", "16,8,64"],
-                    help="BV,WARPS,KC triples of the one-tile kernel (part tile)")
+    ap.add_argument("--tile-sweep", nargs="*", default=["32,4", "32,8", "64,8"],
+                    help="BV,WARPS pairs of the one-tile kernel (part tile)")
     ap.add_argument("--gemm-backends", default="cublas",
                     help="comma-separated BLAS backends of the gemms part: cublas, cublaslt")
     ap.add_argument("--out", default=None)

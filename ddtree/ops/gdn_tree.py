@@ -93,34 +93,6 @@ def _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mrow):
     return gg, tl.where(mrow, 1.0 / (1.0 + tl.exp(-bb)), 0.0)
 
 
-def _conv_rows(ext, window, conv_w, C, ch, rows, mrow, mch, W: tl.constexpr):
-    """The depthwise tree convolution + SiLU of conv channels `ch` (mch: valid) for tree nodes
-    `rows` (mrow: valid), rounded to the model dtype as tree_conv's output is, before any norm.
-    -> [R, len(ch)] fp32, 0 on invalid rows."""
-    f32 = tl.float32
-    m = mrow[:, None] & mch[None, :]
-    acc = tl.zeros((rows.shape[0], ch.shape[0]), dtype=f32)
-    for j in tl.static_range(W):  # the taps of each node's window
-        row = tl.load(window + rows * W + j, mask=mrow, other=0)
-        acc += tl.load(conv_w + j * C + ch, mask=mch, other=0.0)[None, :] * \
-            tl.load(ext + row[:, None] * C + ch[None, :], mask=m, other=0.0).to(f32)
-    return (acc / (1.0 + tl.exp(-acc))).to(ext.dtype.element_ty, fp_downcast_rounding="rtne").to(f32)
-
-
-def _qk_chunk(q, k, s_qt, s_qh, s_kt, s_kh, ext, window, conv_w, C, h, rows, mrow, cols, mc,
-              PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, W: tl.constexpr):
-    """Key channels `cols` of q and k for nodes `rows`: from the projection's conv inputs before
-    their l2 norms (PROLOGUE), else the ready (normed) rows. -> Q, K [R, len(cols)] fp32."""
-    f32 = tl.float32
-    if PROLOGUE:
-        cq = h // REP * DK + cols  # q's conv channels of this value head's key head; k's follow q's
-        return (_conv_rows(ext, window, conv_w, C, cq, rows, mrow, mc, W),
-                _conv_rows(ext, window, conv_w, C, KD + cq, rows, mrow, mc, W))
-    m = mrow[:, None] & mc[None, :]
-    return (tl.load(q + rows[:, None] * s_qt + h * s_qh + cols[None, :], mask=m, other=0.0).to(f32),
-            tl.load(k + rows[:, None] * s_kt + h * s_kh + cols[None, :], mask=m, other=0.0).to(f32))
-
-
 def _gdn_tree_kernel(
     q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
@@ -128,122 +100,70 @@ def _gdn_tree_kernel(
     ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr,
-    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
-    ROOT: tl.constexpr, KC: tl.constexpr,
+    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr, ROOT: tl.constexpr,
 ):
     # One program per (value head, block of BV value channels): the solve is column-wise in v, so
-    # the blocks are independent; each recomputes the [BT, BT] masks (cheap). ROOT: node 0 is an
-    # ancestor of every node (a verify tree's root) and is one delta-rule step first, S' = e^g0 S
-    # + k0 u0^T; the tile holds nodes 1.. with decays relative to it, so a tree of 2^n + 1 nodes
-    # takes a 2^n tile, not 2^(n+1). The key channels go in chunks of KC: every product over them
-    # (k S, q S, k k^T, q k^T) is a sum over chunks, and with the prologue the l2 norms scale the
-    # sums afterwards, so no [BT, DK] tile is live (at BT 32, DK 128 whole tiles spill).
+    # the blocks are independent; each recomputes the [T, T] masks (cheap) and keeps few live tiles.
+    # ROOT: node 0 is an ancestor of every node (a verify tree's root) and is one delta-rule step
+    # first, S' = e^g0 S + k0 u0^T (as _gdn_tree_solve_kernel); the tile holds nodes 1.. with their
+    # decays relative to it, so a tree of 2^n + 1 nodes takes a tile of 2^n, not 2^(n+1).
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0  # writes the head's k and c scratch
     f32 = tl.float32
-    NKC: tl.constexpr = BK // KC
     ot = tl.arange(0, BT)
     rows = ROOT + ot
-    okc = tl.arange(0, KC)
+    ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)
-    mt, mv = rows < T, ov < DV
+    mt, mk, mv = rows < T, ok < DK, ov < DV
+    mtk = mt[:, None] & mk[None, :]
     mtv = mt[:, None] & mv[None, :]
-    zb = C + HV * DV  # the projection's b, a columns follow qkv and z
-    if PROLOGUE:
+    cq = h // REP * DK + ok  # (PROLOGUE) conv channels of q, k (of this value head's key head) and v
+    zb = C + HV * DV  # (PROLOGUE) the projection's b, a columns, after qkv and z
+    if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
+        Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, rows, mt, mk, mv, DK, W)
         gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mt)
-        V = _conv_rows(ext, window, conv_w, C, 2 * KD + h * DV + ov, rows, mt, mv, W)
     else:
+        K = tl.load(k + rows[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
         gg = tl.load(g + rows * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
         bb = tl.load(beta + rows * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
-        V = tl.load(v + rows[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
-    on_path = tl.load(mask + rows[:, None] * T + rows[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0
+    tl.store(kbuf + h * s_kbh + rows[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
+    on_path = tl.load(mask + rows[:, None] * T + rows[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
     c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each path (after the root)
     decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
-    c0 = 0.0
-    e0 = 1.0
-    r0 = ot < 1  # row 0 of a tile: the root's vectors as sums over axis 0
-    if ROOT:  # the root's step: u0 = b0 (v0 - e0 S^T k0), o0 = e0 S^T q0 + (q0.k0) u0
-        if PROLOGUE:
-            g0, b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, ot, r0)
-            v0 = tl.sum(_conv_rows(ext, window, conv_w, C, 2 * KD + h * DV + ov, ot, r0, mv, W), 0)
-        else:
-            g0 = tl.where(r0, tl.load(g + h * s_gh + ot * 0).to(f32), 0.0)
-            b0 = tl.where(r0, tl.load(beta + h * s_bh + ot * 0).to(f32), 0.0)
-            v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)
-        c0, b0 = tl.sum(g0, 0), tl.sum(b0, 0)
-        e0 = tl.exp(c0)
-        nq0 = 0.0
-        nk0 = 0.0
-        qk0 = 0.0
-        sq0 = tl.zeros((BV,), dtype=f32)
-        sk0 = tl.zeros((BV,), dtype=f32)
-        for j in tl.static_range(NKC):
-            cols = j * KC + okc
-            mc = cols < DK
-            Q0, K0 = _qk_chunk(q, k, s_qt, s_qh, s_kt, s_kh, ext, window, conv_w, C, h, ot, r0, cols, mc,
-                               PROLOGUE, REP, KD, DK, W)
-            q0, k0 = tl.sum(Q0, 0), tl.sum(K0, 0)
-            Sc = tl.load(S0 + h * DK * DV + cols[:, None] * DV + ov[None, :], mask=mc[:, None] & mv[None, :], other=0.0)
-            nq0 += tl.sum(q0 * q0, 0)
-            nk0 += tl.sum(k0 * k0, 0)
-            qk0 += tl.sum(q0 * k0, 0)
-            sq0 += tl.sum(q0[:, None] * Sc, 0)
-            sk0 += tl.sum(k0[:, None] * Sc, 0)
-        iq0 = 1.0
-        ik0 = 1.0
-        if PROLOGUE:
-            iq0 = 1.0 / tl.sqrt(nq0 + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
-            ik0 = 1.0 / tl.sqrt(nk0 + 1e-6)
-        u0 = b0 * (v0 - e0 * ik0 * sk0)  # [BV]
-        tl.store(o + h * s_oh + ov, e0 * iq0 * sq0 + iq0 * ik0 * qk0 * u0, mask=mv)
-        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
-        tl.store(cbuf + h * s_cbh, c0, mask=first)
-    KS = tl.zeros((BT, BV), dtype=f32)
-    QS = tl.zeros((BT, BV), dtype=f32)
-    kk = tl.zeros((BT, BT), dtype=f32)
-    qk = tl.zeros((BT, BT), dtype=f32)
-    nk = tl.zeros((BT,), dtype=f32)
-    nq = tl.zeros((BT,), dtype=f32)
-    for j in tl.static_range(NKC):
-        cols = j * KC + okc
-        mc = cols < DK
-        Qc, Kc = _qk_chunk(q, k, s_qt, s_qh, s_kt, s_kh, ext, window, conv_w, C, h, rows, mt, cols, mc,
-                           PROLOGUE, REP, KD, DK, W)
-        Sc = tl.load(S0 + h * DK * DV + cols[:, None] * DV + ov[None, :], mask=mc[:, None] & mv[None, :], other=0.0)
-        if ROOT:  # S' = e0 S + k0 u0^T, this chunk of it
-            _, K0 = _qk_chunk(q, k, s_qt, s_qh, s_kt, s_kh, ext, window, conv_w, C, h, ot, r0, cols, mc,
-                              PROLOGUE, REP, KD, DK, W)
-            k0 = tl.sum(K0, 0) * ik0
-            Sc = e0 * Sc + k0[:, None] * u0[None, :]
-            tl.store(kbuf + h * s_kbh + cols, k0, mask=mc & first)
-        KS += tl.dot(Kc, Sc, input_precision=PREC)
-        QS += tl.dot(Qc, Sc, input_precision=PREC)
-        kk += tl.dot(Kc, tl.trans(Kc), input_precision=PREC)
-        qk += tl.dot(Qc, tl.trans(Kc), input_precision=PREC)
-        if PROLOGUE:
-            nk += tl.sum(Kc * Kc, 1)
-            nq += tl.sum(Qc * Qc, 1)
-        tl.store(kbuf + h * s_kbh + rows[:, None] * s_kbt + cols[None, :], Kc, mask=mt[:, None] & mc[None, :] & first)
-    if PROLOGUE:  # the l2 norms (q also * DK^-0.5), applied to the sums and to the scratch's k rows
-        ik = 1.0 / tl.sqrt(nk + 1e-6)
-        iq = 1.0 / tl.sqrt(nq + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
-        KS = KS * ik[:, None]
-        QS = QS * iq[:, None]
-        kk = kk * ik[:, None] * ik[None, :]
-        qk = qk * iq[:, None] * ik[None, :]
-        tl.debug_barrier()  # the raw k rows above are read back, possibly by other threads
-        for j in tl.static_range(NKC):
-            cols = j * KC + okc
-            m = mt[:, None] & (cols < DK)[None, :] & first
-            at = kbuf + h * s_kbh + rows[:, None] * s_kbt + cols[None, :]
-            tl.store(at, tl.load(at, mask=m, other=0.0) * ik[:, None], mask=m)
-    tl.store(cbuf + h * s_cbh + rows, c + c0, mask=mt & first)
     ec = tl.exp(c)
-    U = bb[:, None] * (V - ec[:, None] * KS)  # right-hand side, solved in place
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    c0 = 0.0
+    if ROOT:  # the root's step: u0 = b0 (v0 - e0 S^T k0), o0 = e0 S^T q0 + (q0.k0) u0
+        if PROLOGUE:  # row 0 of a tile whose other rows are masked off, summed out
+            r0 = ot < 1
+            Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, ot, r0, mk, mv, DK, W)
+            g0, b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, ot, r0)
+            q0, k0, v0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0)
+            c0, b0 = tl.sum(g0, 0), tl.sum(b0, 0)
+        else:
+            q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)  # [BK]
+            k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)
+            v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
+            c0 = tl.load(g + h * s_gh).to(f32)
+            b0 = tl.load(beta + h * s_bh).to(f32)
+        e0 = tl.exp(c0)
+        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
+        tl.store(o + h * s_oh + ov, e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0, mask=mv)
+        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
+        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
+        tl.store(cbuf + h * s_cbh, c0, mask=first)
+        S = e0 * S + k0[:, None] * u0[None, :]
+    tl.store(cbuf + h * s_cbh + rows, c + c0, mask=mt & first)
+    if not PROLOGUE:
+        V = tl.load(v + rows[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+    U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision=PREC))  # right-hand side, solved in place
+    kk = tl.dot(K, tl.trans(K), input_precision=PREC)  # [BT, BT]
     A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
-    O = ec[:, None] * QS
-    Pm = decay * qk
+    if not PROLOGUE:
+        Q = tl.load(q + rows[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
+    O = ec[:, None] * tl.dot(Q, S, input_precision=PREC)
+    Pm = decay * tl.dot(Q, tl.trans(K), input_precision=PREC)
     # (I + A) U = B without a serial substitution: A is strictly lower triangular (_squarings)
     U = _squarings(A, U - tl.dot(A, U, input_precision=PREC), NSQ, PREC)
     O += tl.dot(Pm, U, input_precision=PREC)
@@ -629,7 +549,7 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tile
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
     channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
     does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
-    path_mask [T, T] bool; tiles: (BV, warps, KC) or a prefix of it instead of launch_tiles' (sweeps);
+    path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps);
     root: fold node 0 (an ancestor of every node) into the state first, default one_tile_root.
     -> o [T, H, dv] fp32."""
     T, H, dk = q.shape
@@ -702,15 +622,13 @@ def one_tile_root(T: int) -> bool:
 
 def one_tile_nodes(T: int) -> int:
     """The nodes the one-tile kernel's tile holds for a T-node tree (the root folded: one_tile_root)."""
-    return T - one_tile_root(T)
+    return T - 1 if one_tile_root(T) else T  # (no bool arithmetic: T is symbolic in the compiled layer)
 
 
-def launch_tiles(T: int, dv: int, dk: int = 128) -> tuple[int, int, int]:
-    """(BV value channels per program, warps, KC key channels per chunk) of the one-tile kernel
-    for a T-node tree (its tile: one_tile_nodes). Chunks keep [BT, KC] operands at most 2048
-    elements: whole [32, 128] fp32 tiles with tf32x3 products spill."""
-    bt = _tile(one_tile_nodes(T))
-    return min(32, _tile(dv)), 8 if bt > 32 else 4, max(16, min(_tile(dk), 2048 // bt))
+def launch_tiles(T: int, dv: int) -> tuple[int, int]:
+    """(BV value channels per program, warps) of the one-tile kernel for a T-node tree (its tile:
+    one_tile_nodes)."""
+    return min(32, _tile(dv)), 8 if _tile(one_tile_nodes(T)) > 32 else 4
 
 
 def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None,
@@ -718,9 +636,8 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
     root = one_tile_root(T) if root is None else bool(root) and T > 1
-    BT = _tile(T - root)
-    BV, warps, KC = (tuple(tiles) + launch_tiles(T, dv, dk)[len(tiles or ()):]) if tiles else launch_tiles(T, dv, dk)
-    KC = min(KC, _tile(dk))
+    BT = _tile(T - 1 if root else T)
+    BV, warps = tiles or launch_tiles(T, dv)
     prologue = pro is not None
     if not prologue:  # the prologue's pointer / int arguments go unused
         pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
@@ -732,16 +649,15 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             *pro[:9],
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
-            NSQ=max(0, (T - root - 1).bit_length() - 1), num_warps=warps,
+            NSQ=max(0, (T - int(root) - 1).bit_length() - 1), num_warps=warps,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
-            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11], ROOT=int(root), KC=KC,
+            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11], ROOT=int(root),
         )
     return o
 
 
 if triton is not None:
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of the kernels
-    _conv_rows, _qk_chunk = triton.jit(_conv_rows), triton.jit(_qk_chunk)
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
