@@ -136,7 +136,7 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
     """The engine's GDN paths of a verify from the layer's projection, less the projection's time:
     `blocked prologue` (gdn_prologue, then gdn_tree_blocked: three launches) against the one-tile
     kernel with the prologue inside (gdn_tree_prologue: one launch), at its default tiles and at
-    each (BV, warps) of `tiles`, with the root folded where one_tile_root says. A row per size."""
+    each (BV, warps) of `tiles`. A row per size."""
     model = gdn_layer(tc)
     layer = model.layers[0].linear_attn
     prec = resolve(Options(), DEV).tree_precision
@@ -160,7 +160,7 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
             pj, ex = layer.project(x)
             return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
-        row = dict(T=T, root=gdn_tree.one_tile_root(T), default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
+        row = dict(T=T, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
         for name, fn in [("blocked prologue", blocked), ("one", one)] + [
                 (f"one BV{t[0]} w{t[1]}", lambda t=t: one(t)) for t in tiles]:
             try:
@@ -170,7 +170,7 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
                 row["paths"][name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
         rows.append(row)
         save()
-        print(f"T={T:3d} root={int(row['root'])} from the projection: " + "  ".join(
+        print(f"T={T:3d} from the projection: " + "  ".join(
             f"{n} {v['ms'] * 1e3:.1f} us ({v['err']:.0e})" if "ms" in v else f"{n} {v['error'][:40]}"
             for n, v in row["paths"].items()), flush=True)
 

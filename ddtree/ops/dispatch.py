@@ -63,16 +63,14 @@ class Kernels:
     fused_prefix: bool = False  # a verify's committed prefix through cuDNN's attention (tree_attention's floor)
 
     def tree(self, T: int, dk: int) -> bool:
-        """The one-kernel tree verify for a T-node tree of key width dk? Its tile holds the nodes
-        after a folded root (gdn_tree.one_tile_nodes: 17 nodes take a 16-node tile)."""
-        n = gdn_tree.one_tile_nodes(T)
-        return 1 < T and n <= self.tree_max_nodes and tile(n) * tile(dk) <= self.tree_tile
+        """The one-kernel tree verify for a T-node tree of key width dk?"""
+        return 1 < T <= self.tree_max_nodes and tile(T) * tile(dk) <= self.tree_tile
 
     def prologue(self, T: int, dk: int) -> bool:
         """The GDN prologue in Triton for this tree (inside the one-tile kernel, or gdn_tree.gdn_prologue ahead of the blocked one)?"""
         if T > self.tree_prologue:
             return False
-        return self.blocked(T, dk) or (self.tree(T, dk) and gdn_tree.one_tile_nodes(T) <= TREE_PROLOGUE_ONE_TILE_MAX_NODES)
+        return self.blocked(T, dk) or (self.tree(T, dk) and T <= TREE_PROLOGUE_ONE_TILE_MAX_NODES)
 
     def fused(self, T: int, dk: int) -> bool:
         """The blocked verify with its prologue in one launch (gdn_tree.gdn_tree_fused)?"""

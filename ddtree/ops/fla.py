@@ -45,6 +45,24 @@ def _run(fn, q, k, v, g, beta, S0):
     return o[0].float(), final[0].float()
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _run_with_room(fn, q, k, v, g, beta, S0):
+    """_run, once more after handing the allocator's cached blocks back to the driver where it ran
+    out of memory: on an 80 GB card holding the 27B, torch's cache can hold nearly all the free
+    memory after a long prefill, and Triton then fails to load fla's kernels (their code and
+    local memory are the driver's, outside the cache: "Triton Error [CUDA]: out of memory")."""
+    try:
+        return _run(fn, q, k, v, g, beta, S0)
+    except Exception as e:
+        if not _out_of_memory(e) or not torch.cuda.is_available():
+            raise
+        torch.cuda.empty_cache()
+        return _run(fn, q, k, v, g, beta, S0)
+
+
 @functools.lru_cache(maxsize=None)
 def _checked(device: torch.device, dtype: torch.dtype, H: int, dk: int, dv: int) -> bool:
     """Does fla run here and match the torch twin on a random 200-token chain (dtype's values)?"""
@@ -61,7 +79,7 @@ def _checked(device: torch.device, dtype: torch.dtype, H: int, dk: int, dv: int)
     g, beta = gdn_gates(r(T, H), r(T, H), torch.zeros(H, device=device), torch.zeros(H, device=device))
     S0 = r(H, dk, dv) * 0.1
     try:
-        o, final = _run(fn, q, k, v, g, beta, S0)
+        o, final = _run_with_room(fn, q, k, v, g, beta, S0)
     except Exception as e:  # an fla / Triton version that does not run here
         logger.warning(f"flash-linear-attention failed ({type(e).__name__}: {str(e)[:200]}); using the torch GDN path")
         return False
@@ -88,4 +106,12 @@ def fla_chain(q, k, v, g, beta, S0):
     H, dk, dv = S0.shape
     if not available(q.device, v.dtype, H, dk, dv):
         return None
-    return _run(_kernel(), q, k, v, g, beta, S0)
+    try:
+        return _run_with_room(_kernel(), q, k, v, g, beta, S0)
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
+        from loguru import logger
+
+        logger.warning("flash-linear-attention ran out of GPU memory on this chunk; the torch GDN path takes it")
+        return None

@@ -100,75 +100,49 @@ def _gdn_tree_kernel(
     ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr,
-    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr, ROOT: tl.constexpr,
+    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
 ):
     # One program per (value head, block of BV value channels): the solve is column-wise in v, so
     # the blocks are independent; each recomputes the [T, T] masks (cheap) and keeps few live tiles.
-    # ROOT: node 0 is an ancestor of every node (a verify tree's root) and is one delta-rule step
-    # first, S' = e^g0 S + k0 u0^T (as _gdn_tree_solve_kernel); the tile holds nodes 1.. with their
-    # decays relative to it, so a tree of 2^n + 1 nodes takes a tile of 2^n, not 2^(n+1).
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0  # writes the head's k and c scratch
     f32 = tl.float32
     ot = tl.arange(0, BT)
-    rows = ROOT + ot
     ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)
-    mt, mk, mv = rows < T, ok < DK, ov < DV
+    mt, mk, mv = ot < T, ok < DK, ov < DV
     mtk = mt[:, None] & mk[None, :]
     mtv = mt[:, None] & mv[None, :]
-    cq = h // REP * DK + ok  # (PROLOGUE) conv channels of q, k (of this value head's key head) and v
-    zb = C + HV * DV  # (PROLOGUE) the projection's b, a columns, after qkv and z
     if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
-        Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, rows, mt, mk, mv, DK, W)
-        gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mt)
+        cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
+        Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, ot, mt, mk, mv, DK, W)
+        gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, ot, mt)  # b, a after qkv and z
     else:
-        K = tl.load(k + rows[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
-        gg = tl.load(g + rows * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
-        bb = tl.load(beta + rows * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
-    tl.store(kbuf + h * s_kbh + rows[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
-    on_path = tl.load(mask + rows[:, None] * T + rows[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
-    c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each path (after the root)
+        K = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
+        gg = tl.load(g + ot * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
+        bb = tl.load(beta + ot * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
+    tl.store(kbuf + h * s_kbh + ot[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
+    on_path = tl.load(mask + ot[:, None] * T + ot[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
+    c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
+    tl.store(cbuf + h * s_cbh + ot, c, mask=mt & first)
     decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
     ec = tl.exp(c)
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    c0 = 0.0
-    if ROOT:  # the root's step: u0 = b0 (v0 - e0 S^T k0), o0 = e0 S^T q0 + (q0.k0) u0
-        if PROLOGUE:  # row 0 of a tile whose other rows are masked off, summed out
-            r0 = ot < 1
-            Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, ot, r0, mk, mv, DK, W)
-            g0, b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, ot, r0)
-            q0, k0, v0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0)
-            c0, b0 = tl.sum(g0, 0), tl.sum(b0, 0)
-        else:
-            q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)  # [BK]
-            k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)
-            v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
-            c0 = tl.load(g + h * s_gh).to(f32)
-            b0 = tl.load(beta + h * s_bh).to(f32)
-        e0 = tl.exp(c0)
-        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
-        tl.store(o + h * s_oh + ov, e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0, mask=mv)
-        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
-        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
-        tl.store(cbuf + h * s_cbh, c0, mask=first)
-        S = e0 * S + k0[:, None] * u0[None, :]
-    tl.store(cbuf + h * s_cbh + rows, c + c0, mask=mt & first)
     if not PROLOGUE:
-        V = tl.load(v + rows[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+        V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
     U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision=PREC))  # right-hand side, solved in place
     kk = tl.dot(K, tl.trans(K), input_precision=PREC)  # [BT, BT]
     A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
     if not PROLOGUE:
-        Q = tl.load(q + rows[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
+        Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
     O = ec[:, None] * tl.dot(Q, S, input_precision=PREC)
     Pm = decay * tl.dot(Q, tl.trans(K), input_precision=PREC)
     # (I + A) U = B without a serial substitution: A is strictly lower triangular (_squarings)
     U = _squarings(A, U - tl.dot(A, U, input_precision=PREC), NSQ, PREC)
     O += tl.dot(Pm, U, input_precision=PREC)
-    tl.store(o + rows[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
-    tl.store(ubuf + h * s_ubh + rows[:, None] * s_ubt + ov[None, :], U, mask=mtv)
+    tl.store(o + ot[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
+    tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
 
 
 def _gdn_prologue_kernel(
@@ -545,29 +519,26 @@ def fold_root(T: int, block: int = 16) -> bool:
 
 
 @eager  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
-def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, root: bool | None = None):
+def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None):
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
     channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
     does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
-    path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps);
-    root: fold node 0 (an ancestor of every node) into the state first, default one_tile_root.
-    -> o [T, H, dv] fp32."""
+    path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps). -> o [T, H, dv] fp32."""
     T, H, dk = q.shape
     strides = _input_strides(q, k, v, g, beta)
-    return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles,
-                        root)
+    return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles)
 
 
 @eager
 def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
-                      precision: str = "ieee", tiles=None, root: bool | None = None):
+                      precision: str = "ieee", tiles=None):
     """The tree verify of GDN layer `layer` from its projection: the tree convolution + SiLU, q/k
     l2 norms, head repeat and gates (GatedDeltaNet.qkvgb) and then gdn_tree's recurrence, in one
     kernel. proj [T, N] the fused input projection (qkv | z | b | a); ext [hist + T, C] the conv
     inputs (state rows, then proj's qkv); window [T, width]. -> o [T, hv, dv] fp32, `out` written
     as gdn_tree writes it. Twin: qkvgb + gdn_tree (tests/ops/test_gdn_kernels.py)."""
     return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, proj.shape[0], layer.hv,
-                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles, root)
+                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles)
 
 
 def _prologue_args(layer, proj, ext, window) -> tuple:
@@ -596,6 +567,11 @@ def fused_tiles(dv: int) -> tuple[int, int]:
     return min(64, _tile(dv)), 8
 
 
+def launch_tiles(T: int, dv: int) -> tuple[int, int]:
+    """(BV value channels per program, warps) for a T-node tree."""
+    return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4
+
+
 def _input_strides(q, k, v, g, beta) -> tuple:
     """Both tree kernels' (row, head) strides of ready inputs; their channels must be contiguous."""
     for t in (q, k, v):
@@ -613,30 +589,10 @@ def _mask_and_output(path_mask, out, S0, T: int, H: int, dv: int):
     return path_mask.contiguous().view(torch.int8), torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
 
 
-def one_tile_root(T: int) -> bool:
-    """Fold a T-node tree's root into the state ahead of the one-tile kernel? Where that halves
-    the tile: T = 2^n + 1 (17, 33, 65), every budget's tree with its root. The fold is one
-    delta-rule step (a few vector products a program)."""
-    return T > 2 and _tile(T - 1) < _tile(T)
-
-
-def one_tile_nodes(T: int) -> int:
-    """The nodes the one-tile kernel's tile holds for a T-node tree (the root folded: one_tile_root)."""
-    return T - 1 if one_tile_root(T) else T  # (no bool arithmetic: T is symbolic in the compiled layer)
-
-
-def launch_tiles(T: int, dv: int) -> tuple[int, int]:
-    """(BV value channels per program, warps) of the one-tile kernel for a T-node tree (its tile:
-    one_tile_nodes)."""
-    return min(32, _tile(dv)), 8 if _tile(one_tile_nodes(T)) > 32 else 4
-
-
-def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None,
-                 root: bool | None = None):
+def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None):
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
-    root = one_tile_root(T) if root is None else bool(root) and T > 1
-    BT = _tile(T - 1 if root else T)
+    BT = _tile(T)
     BV, warps = tiles or launch_tiles(T, dv)
     prologue = pro is not None
     if not prologue:  # the prologue's pointer / int arguments go unused
@@ -649,15 +605,15 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             *pro[:9],
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
-            NSQ=max(0, (T - int(root) - 1).bit_length() - 1), num_warps=warps,
+            NSQ=max(0, (T - 1).bit_length() - 1), num_warps=warps,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
-            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11], ROOT=int(root),
+            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
         )
     return o
 
 
 if triton is not None:
-    _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of the kernels
+    _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)

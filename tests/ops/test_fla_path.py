@@ -3,6 +3,7 @@ with a torch stand-in for fla's chunk kernel (the GPU test compares the real ker
 
 import dataclasses
 
+import pytest
 import torch
 
 from ddtree.model.synthetic import build_random_target, tiny_hybrid_config
@@ -54,3 +55,33 @@ def test_chunked_chain_equals_token_by_token():
         o, S = gdn.chain_chunked(q, k, v, gg, beta, S0, chunk)
         assert (o - ref_o).abs().max() < 1e-5 * ref_o.abs().max(), chunk
         assert (S - ref_S).abs().max() < 1e-5 * ref_S.abs().max(), chunk
+
+
+def test_fla_out_of_memory_frees_the_cache_and_retries_then_falls_back(monkeypatch):
+    """A long prefill can leave torch's cache holding the GPU's free memory, and Triton then fails
+    to load fla's kernels ("out of memory"): the cache is handed back and the chunk retried once;
+    if it fails again the chunk takes the torch twin (None), and other errors still raise."""
+    from ddtree.ops import fla
+
+    calls, freed = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(1))
+
+    def flaky(fn, *a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("Triton Error [CUDA]: out of memory")
+        return "ran"
+
+    monkeypatch.setattr(fla, "_run", flaky)
+    assert fla._run_with_room(None, *[None] * 6) == "ran" and len(calls) == 2 and freed == [1]
+
+    monkeypatch.setattr(fla, "available", lambda *a: True)
+    monkeypatch.setattr(fla, "_kernel", lambda: None)
+    monkeypatch.setattr(fla, "_run", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+    S0 = torch.zeros(2, 4, 4)
+    assert fla.fla_chain(S0, S0, S0, S0, S0, S0) is None and freed == [1, 1]
+
+    monkeypatch.setattr(fla, "_run", lambda *a: (_ for _ in ()).throw(ValueError("a bug, not memory")))
+    with pytest.raises(ValueError):
+        fla.fla_chain(S0, S0, S0, S0, S0, S0)
