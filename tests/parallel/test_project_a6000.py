@@ -1,35 +1,43 @@
-"""scripts/project_a6000.py on small synthetic result files: every projected figure recomputed here
-from the stated model (H200 time x copy bandwidth / A6000 bandwidth, scaled by bytes, plus the
-collectives), and once on the committed H200 results."""
+"""scripts/project_a6000.py on synthetic bench_engine results whose two parts are known: the split,
+the two-card fit, the checks and every projected figure recomputed here from the stated model."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from ddtree.model.config import TargetConfig
-from ddtree.model.presets import qwen36_27b_config
-from ddtree.parallel.sharding import rank_bytes_per_token
-from scripts.project_a6000 import PUBLISHED, main
+from ddtree.model.presets import PRESETS
+from scripts.project_a6000 import (A6000_GBPS, Bytes, collective_ms, default_fixed_scale, fit_two_cards, main,
+                                   split)
 
-REPO = Path(__file__).resolve().parents[2]
-CFG = TargetConfig.from_dict(qwen36_27b_config())
-ENGINE = {"gpu": "NVIDIA H200", "copy_GBps": 4000.0,
-          "main": {"preset": "qwen3.6-27b", "weight_bytes_per_token": 1,
-                   "ctx1024": {"ar_ms_per_token": 16.0,
-                               "rounds": {"dflash:15": {"round_ms": 20.0}, "ddtree:32": {"round_ms": 24.0}}}},
-          "codepair": {"ar": {"accept": 1.0}, "dflash": {"accept": 1.5}, "ddtree:32": {"accept": 2.0}}}
-SPLIT = {"gpu": "NVIDIA H200", "n_gpus": 2, "copy_GBps": 4000.0,
-         "results": {"1 GPU": {"ar_ms_per_token": 16.0}, "layer split": {"ar_ms_per_token": 100.0, "ddtree32_round_ms": 30.0},
-                     "TP=2": {"ar_ms_per_token": 11.0}}}
-TP_RANK = {"kind": "tp_rank", "preset": "qwen3.6-27b", "world": 2, "budget": 32, "copy_GBps": 3000.0,
-           "shard": {"ctx1024": {"ar_ms_per_token": 9.0, "dflash_round_ms": 12.0, "ddtree_round_ms": 14.0},
-                     "ctx32768": {"ar_ms_per_token": 10.0, "dflash_round_ms": 13.0, "ddtree_round_ms": 16.0}}}
+BY = Bytes(*(f() for f in PRESETS["qwen3.6-27b"]))
+# known parts on the source card (ms): GEMMs and fixed part per unit
+GEMM = {"ar": 17.0, "dflash": 19.5, "ddtree:32": 20.0}
+FIXED = {"ar": 1.5, "dflash": 2.5, "ddtree:32": 4.0}
 
 
-def _files(tmp_path, **docs):
+def _doc(gpu: str, copy: float, contexts=(1024, 32768), profile: bool = True, src_copy: float = 3000.0) -> dict:
+    """A bench_engine result whose times follow the model exactly: GEMMs scaled by copy bandwidth
+    from the source card's, other bytes over copy bandwidth, the fixed part as it is."""
+    ctxs = {}
+    for i, L in enumerate(contexts):
+        def ms(u):
+            return GEMM[u] * src_copy / copy + BY.other(u, L) / (copy * 1e9) * 1e3 + FIXED[u]
+
+        def prof(u):
+            return {"us_by_category": {"gemm": GEMM[u] * src_copy / copy * 1e3, "gdn": 500.0}} if profile and i == 0 else None
+
+        r = {"ar_ms": ms("ar"), "rounds": {"dflash:15": {"round_ms": ms("dflash")}, "ddtree:32": {"round_ms": ms("ddtree:32")}}}
+        if prof("ar"):
+            r["ar_profile_per_step"] = prof("ar")
+            r["rounds"]["dflash:15"]["profile_per_round"] = prof("dflash")
+            r["rounds"]["ddtree:32"]["profile_per_round"] = prof("ddtree:32")
+        ctxs[str(L)] = r
+    return {"gpu": gpu, "copy_GBps": copy, "commit": "abc1234", "main": {"preset": "qwen3.6-27b", "contexts": ctxs}}
+
+
+def _write(tmp_path, **docs):
     paths = []
     for name, doc in docs.items():
         p = tmp_path / f"{name}.json"
@@ -38,76 +46,68 @@ def _files(tmp_path, **docs):
     return paths
 
 
-def _row(doc, setup, ctx):
-    return next(r for r in doc["rows"] if r["setup"].startswith(setup) and r["ctx"] == ctx)
+def test_two_card_fit_recovers_known_bandwidth_and_fixed_parts():
+    for bw_ms, fixed, bw1, bw2 in ((17.0, 1.5, 3000.0, 4200.0), (21.0, 6.0, 4200.0, 3000.0), (3.0, 0.2, 900.0, 3350.0)):
+        t1, t2 = bw_ms + fixed, bw_ms * bw1 / bw2 + fixed
+        f = fit_two_cards(t1, bw1, t2, bw2)
+        assert f["bandwidth_ms_1"] == pytest.approx(bw_ms) and f["fixed_ms"] == pytest.approx(fixed)
+        assert f["bandwidth_ms_2"] == pytest.approx(bw_ms * bw1 / bw2)
 
 
-def _coll_ms(us, T, drafter_rows=0, link=20.0):
-    """2 x 64 all-reduces of T x 5120 bf16 + a [T, 248320 / 2] gather (+ the drafter's rows), us + bytes / link."""
-    per = lambda nbytes: us + nbytes / (link * 1e9) * 1e6  # noqa: E731
-    total = 128 * per(T * 5120 * 2) + per(T * 124160 * 2) + (per(drafter_rows * 124160 * 2) if drafter_rows else 0)
-    return total / 1e3
+def test_split_is_gemms_plus_other_bytes_and_the_rest_fixed():
+    p = split({"ms": 20.0, "gemm_ms": 17.0}, int(3e9), 3000.0)
+    assert p["other_ms"] == pytest.approx(1.0) and p["bandwidth_ms"] == pytest.approx(18.0) and p["fixed_ms"] == pytest.approx(2.0)
 
 
-def step_bytes(world, ctx):
-    return rank_bytes_per_token(CFG, world, context=ctx)["step_bytes"]
-
-
-def test_projection_from_engine_and_split(tmp_path, capsys):
+def test_projection_recovers_the_parts_checks_the_model_and_projects_by_the_stated_formula(tmp_path, capsys):
     out = tmp_path / "proj.json"
-    doc = main(_files(tmp_path, engine=ENGINE, split=SPLIT) + ["--out", str(out)])
+    paths = _write(tmp_path, h100=_doc("NVIDIA H100 80GB HBM3", 3000.0),
+                   h200=_doc("NVIDIA H200", 4200.0, contexts=(1024, 8192), profile=False))
+    doc = main(paths + ["--out", str(out)])
     assert json.loads(out.read_text())["rows"] == doc["rows"]
-    scale = 4000.0 / 768.0  # same context: the bytes cancel, e = B / (t x copy)
-    split = _row(doc, "layer split", 1024)
-    assert split["ar_ms"] == 100.0 and "host-bound" in split["ar_source"]  # the H200 split (100) > 16 x 5.2
-    assert split["ddtree_ms"] == pytest.approx(24.0 * scale)  # GPU-bound (125 ms) > the split's 30 ms
-    assert split["dflash_ms"] == pytest.approx(20.0 * scale)
-    far = _row(doc, "layer split", 32768)  # extrapolated by bytes at the 1K efficiency
-    assert far["ar_ms"] == pytest.approx(16.0 * scale * step_bytes(1, 32768) / step_bytes(1, 1024))
-    assert "bytes-scaled" in far["ar_source"]
-    tp = _row(doc, "TP=2, nccl", 1024)  # no shard measured: the rank's bytes at the one-GPU efficiency
-    shard_ar = 16.0 * scale * step_bytes(2, 1024) / step_bytes(1, 1024)
-    assert tp["ar_ms"] == pytest.approx(shard_ar + _coll_ms(20.0, 1))
-    assert tp["ddtree_collectives_ms"] == pytest.approx(_coll_ms(20.0, 33, 15))
-    assert _row(doc, "TP=2, oneshot", 1024)["dflash_collectives_ms"] == pytest.approx(_coll_ms(5.0, 16, 15))
-    chain, tree = PUBLISHED["chain_accept"], PUBLISHED["chain_accept"] * (1 + PUBLISHED["tree_gain"])
-    assert tp["dflash_tok_s_published"] == pytest.approx(chain * 1e3 / tp["dflash_ms"])
-    assert tp["ddtree_tok_s_published"] == pytest.approx(tree * 1e3 / tp["ddtree_ms"])
-    assert tp["ddtree_tok_s_codepair"] == pytest.approx(2.0 * 1e3 / tp["ddtree_ms"])
-    v = doc["verdict"]
-    assert v["above"] == (tp["ddtree_tok_s_published"] > 73.5)
-    assert v["accept_needed"] == pytest.approx(73.5 * tp["ddtree_ms"] / 1e3)
-    c = doc["cross_check"]
-    assert c["implied_us_per_collective"] == pytest.approx((11.0 - 16.0 * step_bytes(2, 1024) / step_bytes(1, 1024))
-                                                           / 129 * 1e3)
-    text = capsys.readouterr().out
-    assert "PROJECTION, not a measurement" in text and "assumptions:" in text and "PUBLISHED" in text
-    assert "ONE-GPU efficiency" in text  # says that the shard was not measured
-
-
-def test_projection_uses_the_measured_shard(tmp_path):
-    doc = main(_files(tmp_path, engine=ENGINE, tp=TP_RANK))
-    scale = 3000.0 / 768.0
-    for ctx, key in ((1024, "ctx1024"), (32768, "ctx32768")):
-        tp = _row(doc, "TP=2, nccl", ctx)
-        s = TP_RANK["shard"][key]
-        assert tp["ar_ms"] == pytest.approx(s["ar_ms_per_token"] * scale + _coll_ms(20.0, 1))
-        assert tp["ddtree_ms"] == pytest.approx(s["ddtree_round_ms"] * scale + _coll_ms(20.0, 33, 15))
-        assert "bytes-scaled" not in tp["ar_source"] and "one-GPU efficiency" not in tp["ar_source"]
-    assert doc["cross_check"] is None  # no two-GPU result given
-
-
-def test_rejects_unknown_and_other_preset(tmp_path):
-    with pytest.raises(SystemExit):
-        main(_files(tmp_path, other={"hello": 1}))
-    with pytest.raises(SystemExit):
-        main(_files(tmp_path, engine={**ENGINE, "main": {**ENGINE["main"], "preset": "qwen3-8b"}}))
-
-
-def test_projection_on_the_committed_h200_results():
-    doc = main([str(REPO / "results/engine-long-h200.json"), str(REPO / "results/multigpu-h200x2.json")])
-    assert len(doc["rows"]) == 6  # layer split, TP=2 NCCL, TP=2 one-shot at 1K and 32K
+    for u in GEMM:  # the profile's split is the known one
+        assert doc["split"][u]["fixed_ms"] == pytest.approx(FIXED[u])
+        assert doc["split"][u]["gemm_ms"] == pytest.approx(GEMM[u])
+    assert doc["checks"] and all(abs(c["error"]) < 1e-9 for c in doc["checks"])  # data made by the model: no error
+    assert {c["from"] for c in doc["checks"]} == {"same run", "source"}
+    assert {f["unit"] for f in doc["fits"]} == set(GEMM)
+    for f in doc["fits"]:  # the two-card fit agrees with the profile on consistent data
+        assert f["fit_fixed_ms"] == pytest.approx(f["profile_fixed_ms"], abs=1e-6)
+    lo, hi = default_fixed_scale("H100")
+    assert doc["fixed_scale"] == [pytest.approx(lo), pytest.approx(hi)] and 1.0 < lo < hi < 2.0
+    bw_a = A6000_GBPS * 0.9
     for r in doc["rows"]:
-        assert all(r[f"{u}_ms"] > 0 for u in ("ar", "dflash", "ddtree")), r
-        assert r["ar_tok_s"] < 1e3 / 33.0  # no faster than a card's bandwidth allows for half the bytes
-    assert isinstance(doc["verdict"]["above"], bool)
+        L, s = r["ctx"], r["fixed_scale"]
+        tp = r["setup"].startswith("TP=2")
+        us = 20.0 if "20 us" in r["setup"] else 5.0
+        for u in GEMM:
+            want = (GEMM[u] * 3000.0 / bw_a * (BY.weight_share(2) if tp else 1.0)
+                    + BY.other(u, L, 2 if tp else 1) / (bw_a * 1e9) * 1e3 + FIXED[u] * s)
+            if tp:
+                T = {"ar": 1, "dflash": 16, "ddtree:32": 33}[u]
+                want += collective_ms(BY.cfg, u, T, 15, us, 20.0)
+            assert r["ms"][u] == pytest.approx(want)
+        assert r["break_even_gain"]["ddtree:32"] == pytest.approx(r["ms"]["ddtree:32"] / r["ms"]["dflash"] - 1)
+    text = capsys.readouterr().out
+    assert "PROJECTION, not a measurement" in text and "break-even tree gain" in text
+
+
+def test_the_fixed_part_does_not_scale_with_bandwidth(tmp_path):
+    """Doubling the A6000's bandwidth halves the bandwidth part only: the premium of a tree round
+    that is all fixed latency stays, in ms."""
+    paths = _write(tmp_path, h100=_doc("NVIDIA H100 80GB HBM3", 3000.0))
+    a = main(paths + ["--contexts", "1024", "--fixed-scale", "1,1"])
+    b = main(paths + ["--contexts", "1024", "--fixed-scale", "1,1", "--a6000-GBps", str(2 * A6000_GBPS)])
+    ra = next(r for r in a["rows"] if r["setup"] == "layer split")
+    rb = next(r for r in b["rows"] if r["setup"] == "layer split")
+    prem_a = ra["ms"]["ddtree:32"] - ra["ms"]["dflash"]
+    prem_b = rb["ms"]["ddtree:32"] - rb["ms"]["dflash"]
+    fixed_prem = FIXED["ddtree:32"] - FIXED["dflash"]
+    assert prem_a - fixed_prem == pytest.approx(2 * (prem_b - fixed_prem))  # the GEMM premium halves, the fixed one stays
+
+
+def test_rejects_results_without_a_profile_or_of_another_kind(tmp_path):
+    with pytest.raises(SystemExit, match="no input has a profile"):
+        main(_write(tmp_path, h200=_doc("NVIDIA H200", 4200.0, profile=False)))
+    with pytest.raises(SystemExit, match="not a scripts/bench_engine.py result"):
+        main(_write(tmp_path, other={"kind": "tp_rank"}))
