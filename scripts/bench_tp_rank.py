@@ -20,7 +20,7 @@ the figure is a lower bound. --full also times the unsharded model's AR step in 
 (one GPU; 54 GB bf16, built after the shard is freed): the TP=W speedup over one GPU.
 
 Prints a short table last and writes JSON (--out; rewritten after every part, so a run cut short
-keeps what it measured). scripts/project_a6000.py reads it. On an H200 (~3 min):
+keeps what it measured): the "TP rank" figure of docs/PERFORMANCE.md. On an H200 (~3 min):
 
     python scripts/bench_tp_rank.py --full --out results/tp-rank-h200.json
 """

@@ -3,14 +3,11 @@ GPU run differs only in the device, bf16, CUDA graphs and compiled layers)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from ddtree.model.config import TargetConfig
 from ddtree.model.synthetic import tiny_drafter_config, tiny_hybrid_config
 from scripts.bench_tp_rank import ALLREDUCE_US, measure, parse_costs, project, report
-from scripts.project_a6000 import kind_of, measurements
 
 
 def test_parse_costs():
@@ -49,8 +46,3 @@ def test_measure_and_project_on_cpu(one_thread, capsys):
     report(doc)
     text = capsys.readouterr().out
     assert "PROJECTED TP=2" in text and "nccl-pcie 20us" in text and "published" in text
-    # scripts/project_a6000.py reads these fields
-    assert kind_of(doc) == "tp_rank"
-    got = measurements({"tp_rank": (Path("tp-rank.json"), doc)}, 4, [])
-    assert {k: sorted(v) for k, v in got.items()} == {("shard", u): [24, 40] for u in ("ar", "dflash", "ddtree")} | {
-        ("1gpu", "ar"): [24, 40]}
