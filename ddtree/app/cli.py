@@ -1,4 +1,4 @@
-"""The ``ddtree`` command line: ``generate``, ``chat``, ``bench``, ``plan``, ``plot``, ``selftest``.
+"""The ``ddtree`` command line: ``generate``, ``chat``, ``serve``, ``bench``, ``plan``, ``plot``, ``selftest``.
 
 Every option is defined once, in ``ddtree.app.options``; the commands are built from that
 table. Every command takes ``--config FILE`` (TOML, ``ddtree.app.settings``): flags given on the
@@ -203,7 +203,8 @@ def _typer_default(o, command: str):
     if o.argument:
         return typer.Argument(None if o.name == "prompt" else ..., metavar=o.flag, help=text, show_default=False)
     decls = [f"{o.flag}/{o.negative}" if o.negative else o.flag, *o.flags[1:]]
-    return typer.Option(None, *decls, help=text, metavar=o.metavar, min=o.min, max=o.max, show_default=False)
+    return typer.Option(None, *decls, help=text, metavar=o.metavar, min=o.min, max=o.max, show_default=False,
+                        envvar=o.env, show_envvar=bool(o.env))
 
 
 def _command(name: str, body: Callable[..., Any], doc: str) -> None:
@@ -319,6 +320,10 @@ def _warn_sampling(opts: dict, given: frozenset) -> None:
 
 def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[str] = None) -> list:
     """`ddtree generate` after option merging; returns the GenerationRecords."""
+    if opts.get("server"):  # the work done by a running `ddtree serve` (no torch here)
+        from ddtree.app.serve.client import run_generate_remote
+
+        return run_generate_remote(opts, given, prompt)
     from ddtree.app import setup as S
     from ddtree.decode.startup import process_age_s
 
@@ -516,9 +521,19 @@ def run_plot(opts: dict, given: frozenset, results: Path) -> list:
 
 
 def _chat(opts: dict, given: frozenset) -> int:
+    if opts.get("server"):
+        from ddtree.app.serve.client import run_chat_remote
+
+        return run_chat_remote(opts, given)
     from ddtree.app.chat import run_chat
 
     return run_chat(opts, given, _set_stage)
+
+
+def _serve(opts: dict, given: frozenset) -> int:
+    from ddtree.app.serve.server import run_serve
+
+    return run_serve(opts, given, _set_stage)
 
 
 def run_plan_command(opts: dict) -> None:
@@ -538,6 +553,10 @@ _command("generate", lambda opts, given, prompt: run_generate(opts, given, promp
 _command("chat", lambda opts, given: _chat(opts, given),
          "Chat with the target: each turn streams a reply and keeps the conversation's state, so the next turn "
          "prefills only its new tokens; /help lists the commands.")
+_command("serve", _serve,
+         "Serve the models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+         "/metrics): loaded and warmed up once, one generation at a time, the state kept between requests; "
+         "generate and chat take --server URL.")
 _command("bench", run_bench_command,
          "Benchmark ar / dflash / ddtree (per budget) on a prompt set: a table on stdout, a ddtree.stats/1 JSON file.")
 _command("plan", lambda opts, given: run_plan_command(opts),
@@ -564,7 +583,7 @@ def _version(value: bool):
 def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ):
-    """Exact DDTree speculative decoding: ddtree generate | chat | bench | plan | plot | selftest."""
+    """Exact DDTree speculative decoding: ddtree generate | chat | serve | bench | plan | plot | selftest."""
 
 
 if __name__ == "__main__":  # pragma: no cover
