@@ -35,10 +35,6 @@ def _json(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class Guard:
     """Pure ASGI, in front of the app: the body limit (413), the key on /v1 routes (401), and the
     response counter of /metrics."""
@@ -62,21 +58,24 @@ class Guard:
             refusal = self._refusal(scope)
             if refusal is not None:
                 return await refusal(scope, receive, counted)
-            seen = [0]
+            seen, answered = [0], [False]
 
-            async def limited():
+            async def limited():  # a body without Content-Length (chunked): 413 once it passes the limit
                 message = await receive()
-                if message["type"] == "http.request":
+                if message["type"] == "http.request" and not answered[0]:
                     seen[0] += len(message.get("body", b""))
                     if seen[0] > self.limit:
-                        raise _TooLarge
+                        if not status:
+                            await self._too_large()(scope, receive, counted)
+                        answered[0] = True
+                        return {"type": "http.disconnect"}
                 return message
 
-            try:
-                await self.app(scope, limited, counted)
-            except _TooLarge:
-                if not status:
-                    await self._too_large()(scope, receive, counted)
+            async def app_send(message):
+                if not answered[0]:  # (the app's answer to the cut body goes nowhere)
+                    await counted(message)
+
+            await self.app(scope, limited, app_send)
         finally:
             if status:
                 self.metrics.http.labels(route, str(status[0])).inc()

@@ -10,11 +10,12 @@ generation after the round in flight (on_tokens returns True: ddtree.decode.deco
 The state between requests is `ddtree chat`'s (ddtree.app.chat.Chat over
 ddtree.decode.conversation.Conversation): a request prefills only what the committed state does
 not hold (the longest common prefix, the GDN states restored from the latest snapshot inside
-it); a system message's end is a snapshot kept for good. After a reply, when no request waits,
-the state is settled at the point every next turn shares (for a chat, the conversation with the
-reply as the template re-renders it; for a completion, the prompt and the completion), so the
-next turn of the conversation (or the next completion of the same document) prefills only its
-own new tokens.
+it); a system message's end is a snapshot kept for good. After every reply the state is settled
+at the point every next turn shares (for a chat, the conversation with the reply as the template
+re-renders it; for a completion, the prompt and the completion), so the next turn of the
+conversation (or the next completion of the same document) prefills only its own new tokens, even
+when it was sent the moment the reply ended. The settle prefills the reply's tokens: what that
+next turn would prefill anyway; a request from another conversation waits for it.
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ class Engine:
                 with self._cv:
                     self.current = None
                     self.metrics.running.set(0)
-            if not self._queue and not self.stopping:
+            if not self.stopping:
                 self._settle()
 
     def _prepare(self) -> None:

@@ -200,6 +200,9 @@ def validation_error(errors: list[dict]) -> ApiError:
     if kind == "missing":
         return ApiError(400, f"missing required parameter '{path}'", param=param, code="missing_required_parameter")
     if kind in ("model_attributes_type", "dict_type") and not loc:
+        if isinstance(e.get("input"), (bytes, str)):
+            return ApiError(400, "the body is not JSON: send a JSON object with the header 'Content-Type: "
+                            "application/json'", code="invalid_json")
         return ApiError(400, "the body must be a JSON object", code="invalid_json")
     msg = str(e.get("msg", "invalid value"))
     if kind == "value_error":  # ours: the message names the field
