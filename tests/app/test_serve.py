@@ -14,9 +14,7 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest

@@ -140,12 +140,15 @@ class Engine:
     """The loaded models and the queue in front of them (see the module docstring)."""
 
     def __init__(self, spec, opts: dict, method: str, budget, max_len: int, room: int, template: bool, metrics,
-                 stage: Callable[[str], None], t_entry: float, age: float):
+                 stage: Callable[[str], None], t_entry: float, age: float, load: Callable[[], Any] | None = None):
+        """load: makes the Decoder (default: the checkpoints of spec, ddtree.app.setup.load_models;
+        scripts/bench_serve.py passes a pair of random weights)."""
         self.spec, self.opts, self.method, self.budget = spec, opts, method, budget
         self.max_len, self.room, self.template, self.metrics, self.stage = max_len, room, template, metrics, stage
         self.t_entry, self.age = t_entry, age
         self.max_queue = int(opts["max_queue"])
         self.ready = threading.Event()
+        self.idle = threading.Event()  # set while the engine thread waits for work (nothing runs, nothing settles)
         self.error: BaseException | None = None
         self.stopping = False
         self.dec = self.chat = self.conv = None
@@ -158,6 +161,7 @@ class Engine:
         self._gen_s = 1.0  # a generation's mean wall time (Retry-After)
         self._thread = threading.Thread(target=self._main, name="ddtree-engine", daemon=True)
         self._on_fail: Callable[[], None] = lambda: None
+        self._load = load
 
     # ================================================================ the handlers' side
     def start(self, on_fail: Callable[[], None]) -> None:
@@ -235,9 +239,11 @@ class Engine:
         while True:
             with self._cv:
                 while not self._queue and not self.stopping:
+                    self.idle.set()
                     self._cv.wait()
                 if self.stopping:
                     return
+                self.idle.clear()
                 w = self.current = self._queue.popleft()
                 self.metrics.waiting.set(len(self._queue))
                 self.metrics.running.set(1)
@@ -256,10 +262,12 @@ class Engine:
         from ddtree.decode.conversation import SNAPSHOTS
 
         t_load = time.perf_counter()
-        loaded = S.load_models(self.spec, self.max_len, self.spec.drafter_cfg is not None, self.stage, room=self.room,
-                               auto=self.budget == "auto", snapshots=SNAPSHOTS)
+        if self._load is not None:
+            self.dec = self._load()
+        else:
+            self.dec = S.load_models(self.spec, self.max_len, self.spec.drafter_cfg is not None, self.stage,
+                                     room=self.room, auto=self.budget == "auto", snapshots=SNAPSHOTS).decoder
         S.flush_notices()
-        self.dec = loaded.decoder
         self.paths = S.decoder_paths(self.dec)
         clock = S.startup_clock(self.dec, self.age, t_load - self.t_entry, time.perf_counter() - t_load)
         self.chat = Chat(self.spec, self.dec, dict(self.opts, method=self.method, budget=self.budget), self.template)
