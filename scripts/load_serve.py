@@ -142,15 +142,16 @@ def references(fixture: Path, rows: list[dict], max_length: int, max_new: int, m
     return out
 
 
-def load_rows(fixture: Path, n: int) -> list[dict]:
-    """n prompts of the fixture as requests: even ones as text completions, odd ones as one-message
-    chats (the server renders a plain transcript: the message and a newline)."""
+def load_rows(fixture: Path, n: int, chars: int = 400) -> list[dict]:
+    """n prompts of the fixture (their last `chars` characters) as requests: even ones as text
+    completions, odd ones as one-message chats (the server renders a plain transcript: the message
+    and a newline)."""
     rows = []
     with open(fixture / "prompts.jsonl") as f:
         for i, line in enumerate(f):
             if i >= n:
                 break
-            text = json.loads(line)["prompt"][-400:]
+            text = json.loads(line)["prompt"][-chars:]
             kind = "completion" if i % 2 == 0 else "chat"
             rows.append({"id": f"p{i}", "kind": kind, "text": text,
                          "prompt": text if kind == "completion" else text + "\n"})

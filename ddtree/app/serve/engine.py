@@ -252,9 +252,9 @@ class Engine:
             finally:
                 with self._cv:
                     self.current = None
-                    self.metrics.running.set(0)
             if not self.stopping:
                 self._settle()
+            self.metrics.running.set(0)  # (after the settle: the engine is free)
 
     def _prepare(self) -> None:
         from ddtree.app import setup as S

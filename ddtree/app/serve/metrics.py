@@ -39,7 +39,7 @@ class Metrics:
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to the last token", buckets=SECONDS,
                              registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests in the queue", registry=r)
-        self.running = Gauge(P + "num_requests_running", "Requests generating (0 or 1)", registry=r)
+        self.running = Gauge(P + "num_requests_running", "Requests the engine is busy with: generating, or settling the state after it (0 or 1)", registry=r)
         self.num_drafts = Counter(P + "spec_decode_num_drafts", "Drafted rounds", registry=r)
         self.num_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
         self.num_accepted = Counter(P + "spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
