@@ -73,11 +73,13 @@ class Server:
             raise RuntimeError("the server printed no address:\n" + self.log)
         import httpx
 
+        self.health: list[int] = []  # the statuses /health answered while starting
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.proc.returncode}):\n" + self.log)
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                self.health.append(httpx.get(self.url + "/health", timeout=2).status_code)
+                if self.health[-1] == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -337,17 +337,18 @@ def test_metrics_count_what_was_served(served, api, model):
     assert _metric(served, "ddtree:http_requests_total", route="/v1/completions", status="200") == http_before + 1
 
 
-def test_sigterm_ends_the_generation_and_exits_0():
-    """A server of its own (ar, no drafter): SIGTERM during a streamed reply ends it with an
-    error event and [DONE], and the process exits 0."""
+def test_health_then_sigterm_ends_the_generation_and_exits_0():
+    """A server of its own: /health answers 503 until the models are ready, 200 then; SIGTERM
+    during a streamed reply ends it with an error event and [DONE], and the process exits 0."""
     import httpx
 
-    server = Server(["--target", FIXTURE_DIR / "target", "--dtype", "float32", "--devices", "cpu", "--max-length",
-                     MAX_LEN, "--max-new-tokens", 4])
+    # its warm-up (two turns of 48 tokens) outlasts uvicorn's start: /health is seen loading
+    server = Server(model_args(FIXTURE_DIR, MAX_LEN, 48))
     try:
+        assert server.health[0] == 503 and server.health[-1] == 200, server.health  # 503 while it loads
         assert httpx.get(server.url + "/health").status_code == 200
         body = {"model": served_model(server), "messages": [{"role": "user", "content": M1}], "max_tokens": 450,
-                "stream": True}
+                "stream": True, "ddtree": {"method": "ar"}}
         events = []
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
