@@ -439,3 +439,49 @@ def test_a_short_load(served):
     doc = run_load(served, 3, 2, rows, refs, N, api_key=KEY)
     assert doc["errors"] == [] and doc["all_equal"], doc["errors"]
     assert doc["queue_wait_s"]["max"] > 0 and doc["rss_mib"]["growth_after_first_round"] <= 0.05, doc
+
+
+def test_a_target_with_a_chat_template(tmp_path_factory, tmp_path):
+    """A tiny random pair whose chat template drops earlier replies' thinking (tests/app/test_chat.py):
+    chat replies, with and without thinking, and a second turn after a system message equal
+    `generate`'s for the same messages; `generate --server` sends a text prompt through the template."""
+    import openai
+
+    from app_helpers import write_tiny_pair
+    from test_chat import QWEN_STYLE
+
+    tdir, ddir = write_tiny_pair(tmp_path_factory.mktemp("templated"))
+    cfg = json.loads((tdir / "tokenizer_config.json").read_text())
+    (tdir / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=QWEN_STYLE)))
+    flags = ["--target", tdir, "--drafter", ddir, "--dtype", "float32", "--devices", "cpu", "--max-length", 256,
+             "--budget", 4]
+    server = Server(flags + ["--max-new-tokens", 8])
+    try:
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = api.models.list().data[0].id
+        convs, got = [], []
+        for thinking in (True, False):
+            msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": M1}]
+            r = api.chat.completions.create(model=model, messages=msgs, max_tokens=8, extra_body=dict(
+                extra("ddtree", budget=4), chat_template_kwargs={"enable_thinking": thinking}))
+            msgs2 = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                            {"role": "user", "content": M2}]
+            r2 = api.chat.completions.create(model=model, messages=msgs2, max_tokens=8, extra_body=dict(
+                extra("ddtree", budget=4), chat_template_kwargs={"enable_thinking": thinking}))
+            assert ddtree_usage(r2.usage)["reused_tokens"] > 0  # the system prompt's head at least
+            convs.append((thinking, [msgs, msgs2]))
+            got.append([ddtree_usage(x.usage)["record"]["token_ids"] for x in (r, r2)])
+        for (thinking, msgs), ids in zip(convs, got):
+            rows = tmp_path / f"t{thinking}.jsonl"
+            rows.write_text("".join(json.dumps({"id": f"m{i}", "messages": m}) + "\n" for i, m in enumerate(msgs)))
+            stats = tmp_path / f"t{thinking}.json"
+            r = CliRunner().invoke(app, ["generate", *map(str, flags), "-n", "8", "--method", "ddtree", "--prompts",
+                                         str(rows), "--stats-json", str(stats), "--jsonl",
+                                         "--thinking" if thinking else "--no-thinking"])
+            assert r.exit_code == 0, r.output
+            assert [p["token_ids"] for p in json.loads(stats.read_text())["runs"][0]["prompts"]] == ids
+        local = CliRunner().invoke(app, ["generate", *map(str, flags), "-n", "8", PROMPT])
+        remote = run_ddtree("generate", "--server", server.url, "-n", "8", "--budget", "4", PROMPT)
+        assert local.exit_code == 0 == remote.returncode and remote.stdout == local.stdout, remote.stderr
+    finally:
+        assert server.stop() == 0, server.log
