@@ -118,7 +118,8 @@ class IdsTokenizer:
 
 
 def ids_text(ids: list[int]) -> str:
-    return " ".join(map(str, ids))
+    """A prompt of these ids (ending in a space, as IdsTokenizer.decode's text: a text that follows starts a new id)."""
+    return "".join(f"{i} " for i in ids)
 
 
 class InProcess:
