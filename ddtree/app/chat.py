@@ -144,6 +144,12 @@ class Chat:
         return method_label(self.method, self.budget)
 
     # ---------------------------------------------------------------- turns
+    def streamer(self, out):
+        """What prints a reply to `out` as its tokens come."""
+        from ddtree.app.cli import _Streamer
+
+        return _Streamer(self.spec.tokenizer, out=out)
+
     def send(self, text: str, on_tokens: Callable[[list[int]], None] | None = None) -> TurnResult:
         """One turn: the reply to `text`, streamed to on_tokens. A turn that does not fit
         --max-length raises DDTreeError with the conversation unchanged; Ctrl-C keeps the partial
@@ -360,9 +366,7 @@ class Repl:
                 self.say("interrupted")
 
     def reply(self, text: str) -> None:
-        from ddtree.app.cli import _Streamer
-
-        streamer = _Streamer(self.s.spec.tokenizer, out=self.out)
+        streamer = self.s.streamer(self.out)
         result = self.s.send(text, streamer)
         streamer.finish()
         t = result.stats

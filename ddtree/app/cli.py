@@ -1,4 +1,4 @@
-"""The ``ddtree`` command line: ``generate``, ``chat``, ``bench``, ``plan``, ``plot``, ``selftest``.
+"""The ``ddtree`` command line: ``generate``, ``chat``, ``serve``, ``bench``, ``plan``, ``plot``, ``selftest``.
 
 Every option is defined once, in ``ddtree.app.options``; the commands are built from that
 table. Every command takes ``--config FILE`` (TOML, ``ddtree.app.settings``): flags given on the
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 import sys
 import time
@@ -29,6 +28,8 @@ from loguru import logger
 from typer.core import TyperCommand, TyperGroup
 
 from ddtree.app.options import BY_NAME, defaults, options_for
+from ddtree.app.textio import jsonl_record as _jsonl_record, partial_line as _partial_line, \
+    print_jsonl as _print_jsonl, read_prompts as _read_prompts, run_label as _run_label, summary_line  # noqa: F401
 from ddtree.errors import DDTreeError
 
 OOM_MESSAGE = "out of GPU memory while {stage}: lower --max-length / --budget or add devices with --devices cuda:0,cuda:1"
@@ -202,7 +203,8 @@ def _typer_default(o, command: str):
     if o.argument:
         return typer.Argument(None if o.name == "prompt" else ..., metavar=o.flag, help=text, show_default=False)
     decls = [f"{o.flag}/{o.negative}" if o.negative else o.flag, *o.flags[1:]]
-    return typer.Option(None, *decls, help=text, metavar=o.metavar, min=o.min, max=o.max, show_default=False)
+    return typer.Option(None, *decls, help=text, metavar=o.metavar, min=o.min, max=o.max, show_default=False,
+                        envvar=o.env, show_envvar=bool(o.env))
 
 
 def _command(name: str, body: Callable[..., Any], doc: str) -> None:
@@ -233,10 +235,6 @@ def _command(name: str, body: Callable[..., Any], doc: str) -> None:
 # ============================================================================================
 # generate
 # ============================================================================================
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 class _Streamer:
@@ -295,74 +293,6 @@ class _Streamer:
         self.finished = True
 
 
-def _run_label(method: str, budget) -> str:
-    return f"ddtree {budget}" if method == "ddtree" else method
-
-
-def summary_line(rec, label: str) -> str:
-    """The stderr line after a generation: the headline is tokens per target forward over all
-    rounds; the mean acceptance length over the drafted rounds stands beside it, named so."""
-    from ddtree.stats import aggregate
-
-    a = aggregate([rec])
-    line = (f"{label}: {rec.new_tokens} new tokens from a {rec.prompt_tokens}-token prompt, "
-            f"{rec.decode_tok_s:.1f} tok/s decode, time to first token {rec.ttft_s * 1e3:.0f} ms")
-    if not a["rounds"]:
-        return line + ", no decode rounds (prefill made the only token)"
-    line += f", {a['tokens_per_target_forward']:.2f} tokens per target forward over {_plural(a['rounds'], 'round')}"
-    if rec.method != "ar":
-        line += f" (mean acceptance length {a['mean_acceptance_length']:.2f} over {_plural(a['num_drafts'], 'drafted round')}"
-        if a["num_plain_steps"]:
-            line += f", {_plural(a['num_plain_steps'], 'plain step')}"
-        line += ")"
-    return line
-
-
-def _partial_line(p, n_prompt: int, s: _Streamer, label: str) -> str:
-    n = len(s.ids)
-    if n == 0:
-        return f"{label}: interrupted before the first token of {p.label}"
-    rate = (n - 1) / (s.t_last - s.t_first) if n > 1 and s.t_last > s.t_first else 0.0
-    return (f"{label}: interrupted after {n} new tokens from a {n_prompt}-token prompt, {rate:.1f} tok/s decode, "
-            f"time to first token {(s.t_first - s.t0) * 1e3:.0f} ms ({p.label} unfinished: not in the statistics)")
-
-
-def _jsonl_record(p, rec=None, streamer: _Streamer | None = None, n_prompt: int = 0) -> dict:
-    """--jsonl: one object per prompt (documented in the README)."""
-    from ddtree.stats import aggregate
-
-    if rec is None:  # cut short by Ctrl-C
-        return {"id": p.id, "text": streamer.text() if streamer else "", "interrupted": True,
-                "prompt_tokens": n_prompt, "new_tokens": len(streamer.ids) if streamer else 0}
-    a = aggregate([rec])
-    return {"id": p.id, "text": rec.text, "interrupted": False, "method": rec.method, "budget": rec.budget,
-            "prompt_tokens": rec.prompt_tokens, "new_tokens": rec.new_tokens,
-            "decode_tok_s": rec.decode_tok_s, "ttft_s": rec.ttft_s, "rounds": a["rounds"],
-            "tokens_per_target_forward": a["tokens_per_target_forward"],
-            "mean_acceptance_length": a["mean_acceptance_length"], "num_drafts": a["num_drafts"],
-            "num_plain_steps": a["num_plain_steps"]}
-
-
-def _print_jsonl(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
-    sys.stdout.flush()
-
-
-def _read_prompts(prompt: Optional[str], prompts_spec: Optional[str], limit: Optional[int]):
-    from ddtree.app.prompts import Prompt, load_prompts
-    from ddtree.app.setup import stdin_text
-
-    if prompt is not None:
-        from_stdin = prompt == "-"
-        text = stdin_text() if from_stdin else prompt
-        if not text.strip():
-            raise DDTreeError("empty prompt: pass a non-empty prompt (argument, '-' for stdin, or --prompts FILE|SUITE)")
-        return [Prompt(id="stdin" if from_stdin else "cli", text=text, from_cli=True)]
-    if prompts_spec:
-        return load_prompts(str(prompts_spec), limit)
-    raise DDTreeError("no prompt: pass PROMPT as an argument, '-' to read it from stdin, or --prompts FILE|SUITE")
-
-
 def _warn_generate(opts: dict, given: frozenset, method: str, prompt: Optional[str]) -> None:
     from ddtree.app.setup import warn_ignored
 
@@ -390,6 +320,10 @@ def _warn_sampling(opts: dict, given: frozenset) -> None:
 
 def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[str] = None) -> list:
     """`ddtree generate` after option merging; returns the GenerationRecords."""
+    if opts.get("server"):  # the work done by a running `ddtree serve` (no torch here)
+        from ddtree.app.serve.client import run_generate_remote
+
+        return run_generate_remote(opts, given, prompt)
     from ddtree.app import setup as S
     from ddtree.decode.startup import process_age_s
 
@@ -587,9 +521,19 @@ def run_plot(opts: dict, given: frozenset, results: Path) -> list:
 
 
 def _chat(opts: dict, given: frozenset) -> int:
+    if opts.get("server"):
+        from ddtree.app.serve.client import run_chat_remote
+
+        return run_chat_remote(opts, given)
     from ddtree.app.chat import run_chat
 
     return run_chat(opts, given, _set_stage)
+
+
+def _serve(opts: dict, given: frozenset) -> int:
+    from ddtree.app.serve.server import run_serve
+
+    return run_serve(opts, given, _set_stage)
 
 
 def run_plan_command(opts: dict) -> None:
@@ -609,6 +553,10 @@ _command("generate", lambda opts, given, prompt: run_generate(opts, given, promp
 _command("chat", lambda opts, given: _chat(opts, given),
          "Chat with the target: each turn streams a reply and keeps the conversation's state, so the next turn "
          "prefills only its new tokens; /help lists the commands.")
+_command("serve", _serve,
+         "Serve the models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+         "/metrics): loaded and warmed up once, one generation at a time, the state kept between requests; "
+         "generate and chat take --server URL.")
 _command("bench", run_bench_command,
          "Benchmark ar / dflash / ddtree (per budget) on a prompt set: a table on stdout, a ddtree.stats/1 JSON file.")
 _command("plan", lambda opts, given: run_plan_command(opts),
@@ -635,7 +583,7 @@ def _version(value: bool):
 def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ):
-    """Exact DDTree speculative decoding: ddtree generate | chat | bench | plan | plot | selftest."""
+    """Exact DDTree speculative decoding: ddtree generate | chat | serve | bench | plan | plot | selftest."""
 
 
 if __name__ == "__main__":  # pragma: no cover

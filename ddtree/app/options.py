@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-COMMANDS: tuple[str, ...] = ("generate", "bench", "plan", "plot", "selftest", "chat")
-GEN, BENCH, PLAN, PLOT, SELFTEST, CHAT = COMMANDS
+COMMANDS: tuple[str, ...] = ("generate", "bench", "plan", "plot", "selftest", "chat", "serve")
+GEN, BENCH, PLAN, PLOT, SELFTEST, CHAT, SERVE = COMMANDS
 MODEL = (GEN, BENCH)  # the commands that load a checkpoint pair for a prompt set
-LOADS = (GEN, CHAT, BENCH)  # the commands that load one
+LOADS = (GEN, CHAT, BENCH, SERVE)  # the commands that load one
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Opt:
     toml_types: tuple[type, ...] = ()  # TOML value types accepted besides the option's own
     file_commands: tuple[str, ...] | None = None  # commands that take the value from a --config file (default: all)
     argument: bool = False  # positional (PROMPT, RESULTS): not a TOML key
+    env: str | None = None  # an environment variable read when the flag is not given
 
     @property
     def flag(self) -> str:
@@ -82,9 +83,10 @@ OPTIONS: tuple[Opt, ...] = (
         metavar="REF"),
     Opt("drafter", ("--drafter", "-d"), str, LOADS + (PLAN,),
         "DFlash drafter: local directory or Hugging Face repo id (z-lab/Qwen3.6-27B-DFlash)", metavar="REF"),
-    Opt("method", ("--method", "-m"), str, (GEN, CHAT), "ar, dflash (DFlash chain) or ddtree (draft tree)",
+    Opt("method", ("--method", "-m"), str, (GEN, CHAT, SERVE),
+        "ar, dflash (DFlash chain) or ddtree (draft tree); serve: a request's default",
         default_doc="ddtree with a drafter, else ar", metavar="M"),
-    Opt("budget", ("--budget", "-b"), str, (GEN, CHAT, PLAN),
+    Opt("budget", ("--budget", "-b"), str, (GEN, CHAT, SERVE, PLAN),
         "Draft-tree nodes verified per round (ddtree only), or auto: each round drafts the arm with the most expected "
         "tokens per millisecond (the chain, a best-first tree of 4, 8, 15, 32 or 64 nodes, or 0: a plain target step; "
         "drafter path probabilities times the acceptance seen so far, over each arm's whole-round wall time measured "
@@ -102,30 +104,33 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("prompt_tokens", ("--prompt-tokens",), int, (BENCH,),
         "Fit every prompt to exactly N tokens (its text repeated, or cut, inside the chat template): long-context "
         "runs from any prompt set", default_doc="as written", metavar="N", min=1),
-    Opt("max_new_tokens", ("--max-new-tokens", "-n"), int, (GEN, CHAT, BENCH, SELFTEST),
-        "Tokens to generate per prompt (chat: per reply)",
-        default={GEN: 256, CHAT: 256, BENCH: 256, SELFTEST: 48}, default_doc="256 (selftest: 48)", metavar="N", min=1),
+    Opt("max_new_tokens", ("--max-new-tokens", "-n"), int, (GEN, CHAT, BENCH, SELFTEST, SERVE),
+        "Tokens to generate per prompt (chat: per reply; serve: a request's default max_tokens)",
+        default={GEN: 256, CHAT: 256, BENCH: 256, SELFTEST: 48, SERVE: 256}, default_doc="256 (selftest: 48)", metavar="N", min=1),
     Opt("temperature", ("--temperature",), float, LOADS, "Sampling temperature; 0 = greedy", default=0.0, metavar="T", min=0),
     Opt("top_p", ("--top-p",), float, LOADS, "Nucleus sampling mass, in (0, 1]", default=1.0, metavar="P", min=0, max=1),
     Opt("top_k", ("--top-k",), int, LOADS, "Top-k sampling; 0 = off", default=0, metavar="K", min=0),
     Opt("seed", ("--seed",), int, LOADS, "Sampling seed", default=0, metavar="S"),
     Opt("dtype", ("--dtype",), str, LOADS + (PLAN,), "bfloat16, float16 or float32",
         default={PLAN: "bfloat16"}, default_doc={GEN: "bfloat16 on cuda, float32 on cpu", CHAT: "bfloat16 on cuda, float32 on cpu",
-                                                BENCH: "bfloat16 on cuda, float32 on cpu", PLAN: "bfloat16"}, metavar="D"),
-    Opt("devices", ("--devices", "--device"), str, (GEN, CHAT, BENCH, PLAN, SELFTEST),
+                                                BENCH: "bfloat16 on cuda, float32 on cpu",
+                                                SERVE: "bfloat16 on cuda, float32 on cpu", PLAN: "bfloat16"}, metavar="D"),
+    Opt("devices", ("--devices", "--device"), str, (GEN, CHAT, BENCH, PLAN, SELFTEST, SERVE),
         "auto, cpu, cuda:0, or cuda:0,cuda:1 (target layers split over the GPUs by the memory plan; a device may repeat: "
         "cuda:0,cuda:0 is two stages on one GPU; selftest takes one)",
-        default={GEN: "auto", CHAT: "auto", BENCH: "auto", PLAN: None, SELFTEST: "auto"},
+        default={GEN: "auto", CHAT: "auto", BENCH: "auto", PLAN: None, SELFTEST: "auto", SERVE: "auto"},
         default_doc={GEN: "auto (cuda:0 if available, else cpu)", CHAT: "auto (cuda:0 if available, else cpu)",
-                     BENCH: "auto (cuda:0 if available, else cpu)",
+                     BENCH: "auto (cuda:0 if available, else cpu)", SERVE: "auto (cuda:0 if available, else cpu)",
                      PLAN: "one per --gpu-memory entry, else cuda:0", SELFTEST: "auto (cuda:0 if available, else cpu)"},
         metavar="LIST", toml_types=(list,)),
     Opt("max_length", ("--max-length",), int, LOADS + (PLAN,),
         {GEN: "Length of the state buffers (K/V cache) in tokens",
          CHAT: "Length of the state buffers (K/V cache) in tokens: the longest conversation",
-         BENCH: "Length of the state buffers (K/V cache) in tokens", PLAN: "State length to plan for, in tokens"},
+         BENCH: "Length of the state buffers (K/V cache) in tokens", PLAN: "State length to plan for, in tokens",
+         SERVE: "Length of the state buffers (K/V cache) in tokens: the longest request, prompt and reply"},
         default_doc={GEN: "longest prompt + new tokens + tree + 256", CHAT: "the model's max_position_embeddings, at most 32768",
-                     BENCH: "longest prompt + new tokens + tree + 256", PLAN: "the model's max_position_embeddings"},
+                     BENCH: "longest prompt + new tokens + tree + 256", PLAN: "the model's max_position_embeddings",
+                     SERVE: "the model's max_position_embeddings, at most 32768"},
         metavar="L", min=1),
     Opt("gpu_memory", ("--gpu-memory",), str, (PLAN,),
         "Memory per GPU to plan for, on any machine: 2x48GiB, 48GiB,48GiB or 80GB", default_doc="the visible GPUs' total",
@@ -169,6 +174,20 @@ OPTIONS: tuple[Opt, ...] = (
          PLOT: "Folder for the PNGs (a --config file's out is bench's result file, not this folder)"},
         default={BENCH: "results/bench.json", PLOT: None}, default_doc={BENCH: "results/bench.json", PLOT: "RESULTS-plots/"},
         metavar="PATH", file_commands=(BENCH,)),
+    Opt("server", ("--server",), str, (GEN, CHAT),
+        "Send the work to a running `ddtree serve` at URL (e.g. http://127.0.0.1:8000), whose models stay loaded: "
+        "the same output, no start-up", metavar="URL"),
+    Opt("api_key", ("--api-key",), str, (GEN, CHAT, SERVE),
+        {GEN: "The server's key (with --server)", CHAT: "The server's key (with --server)",
+         SERVE: "Require this key on every /v1 route (Authorization: Bearer KEY)"},
+        metavar="KEY", env="DDTREE_API_KEY"),
+    Opt("host", ("--host",), str, (SERVE,), "Address to listen on (0.0.0.0: every interface)", default="127.0.0.1",
+        metavar="ADDR"),
+    Opt("port", ("--port",), int, (SERVE,), "Port to listen on (0: a free one, printed)", default=8000, metavar="N",
+        min=0, max=65535),
+    Opt("max_queue", ("--max-queue",), int, (SERVE,),
+        "Requests that may wait while one generates (first come, first served); past them a 429 with Retry-After",
+        default=16, metavar="N", min=0),
     Opt("config", ("--config", "-c"), Path, COMMANDS, "TOML settings file (keys: these option names); flags override it",
         metavar="FILE"),
     Opt("verbose", ("--verbose", "-v"), bool, COMMANDS,
@@ -214,6 +233,8 @@ def markdown_table() -> str:
         meaning = "; ".join(f"{c}: {h}" for c, h in o.help.items()) if isinstance(o.help, dict) else o.help
         if len(o.flags) > 1 and o.flags[1].startswith("--"):
             meaning += f" (also `{o.flags[1]}`)"
+        if o.env:
+            meaning += f" (also from `${o.env}`)"
         cells = [flag_text(o), commands, default, meaning]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows)

@@ -203,14 +203,14 @@ class Conversation:
         got: list[int] = []
         t_first: list[float] = []
 
-        def emitted(toks: list[int]) -> None:
+        def emitted(toks: list[int]) -> bool | None:
             got.extend(toks)
-            if on_tokens:
-                on_tokens(toks)
+            return on_tokens(toks) if on_tokens else None
 
-        def first(tok: int) -> None:  # the reply's first token, before the drafter's first block
-            emitted([tok])
+        def first(tok: int) -> bool | None:  # the reply's first token, before the drafter's first block
+            halt = emitted([tok])
             t_first.append(time.perf_counter())
+            return halt
 
         pre = dec.prefill(ids, job, start=a, taps=taps, on_first=first)
         self._committed(ids, len(ids), taps)

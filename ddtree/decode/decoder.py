@@ -74,6 +74,7 @@ class Prefilled:
     gen: torch.Generator | None  # the sampling generator, carried on into decode
     prefill_s: float = 0.0  # the whole prefill, the drafter's first block included
     shown: bool = False  # the first token went to on_first already (decode does not emit it again)
+    halt: bool = False  # on_first returned True: decode runs no round
 
 
 def _log():
@@ -302,7 +303,8 @@ class Decoder:
                  stop_ids: set[int] | frozenset = frozenset(), seed: int | None = 0, top1_first: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None, prompt_id: str = "",
                  decode_text: Callable[[list[int]], str] | None = None) -> GenerationRecord:
-        """prefill + decode; on_tokens gets the tokens as they come (the first one before the drafter's first block)."""
+        """prefill + decode; on_tokens gets the tokens as they come (the first one before the drafter's first block);
+        its returning True ends the generation after that round (a stop string, a cancelled request)."""
         job = self.job(method, budget, sampling, max_new_tokens, seed, top1_first, len(prompt_ids))
         pre = self.prefill(prompt_ids, job, on_first=(lambda t: on_tokens([t])) if on_tokens else None)
         rec = self.decode(pre, job, stop_ids, on_tokens)
@@ -346,7 +348,8 @@ class Decoder:
         only the rest is prefilled (ddtree.decode.conversation). taps: the drafter's context
         from the prompt (default: for every method but `ar`). fast: the compiled prefill layers,
         fla and the compiled drafter (True) or their eager twins (False); default the rule below.
-        on_first(token): the first token, before the drafter's first block (a second sync: a user waits for it)."""
+        on_first(token): the first token, before the drafter's first block (a second sync: a user waits for it);
+        its returning True ends the generation there (decode runs no round)."""
         tgt, dev = self.target, self.device
         drafts = job.method != "ar"
         taps_on = drafts if taps is None else taps and self.drafter is not None
@@ -374,9 +377,9 @@ class Decoder:
             logits, _ = tgt.prefill(prompt, start=start, want_taps=taps_on,
                                     on_taps=self.drafter.add_context if taps_on else None, fast=fast)
             bonus_d = choose(logits[None], job.sampling, gen)[0]
-            draft, t_first = None, None
+            draft, t_first, halt = None, None, False
             if drafts and on_first is not None:
-                on_first(int(bonus_d))
+                halt = bool(on_first(int(bonus_d)))
                 t_first = time.perf_counter()
             if drafts:
                 k = job.k
@@ -390,7 +393,7 @@ class Decoder:
                 bonus = int(bonus_d)  # the one sync of the prefill
         t_end = time.perf_counter()
         return Prefilled(len(prompt_ids), bonus, draft, (t_first or t_end) - t0, gen, prefill_s=t_end - t0,
-                         shown=t_first is not None)
+                         shown=t_first is not None, halt=halt)
 
     @torch.no_grad()
     def decode(self, pre: Prefilled, job: Job, stop_ids=frozenset(),
@@ -399,8 +402,7 @@ class Decoder:
         loop (--top1-first, DDTREE_HOST_ROUNDS=1, or a tree the device builder cannot fill)."""
         dev, method, sampling, gen = self.device, job.method, job.sampling, pre.gen
         out = [pre.bonus]
-        if on_tokens and not pre.shown:
-            on_tokens([pre.bonus])
+        halt = pre.halt or (bool(on_tokens([pre.bonus])) if on_tokens and not pre.shown else False)
         start = pre.prompt_len
         self.start_d.fill_(start)
         self.use_compile()  # (a short prefill ran the drafter eagerly)
@@ -410,7 +412,7 @@ class Decoder:
         rounds: list[RoundRecord] = []
         pending: list[list] = []
         t_dec, keys0 = time.perf_counter(), self.graphs.new_keys
-        if pre.bonus not in stop_ids and len(out) < job.max_new_tokens:
+        if pre.bonus not in stop_ids and len(out) < job.max_new_tokens and not halt:
             policy = auto_budget.policy_for(self, method, job.budget, job.k, chooser) if pipeline else None
             if policy is not None:
                 policy.begin(host_tree(method, pre.bonus, pre.draft, job.budget, False), self, pre.draft)

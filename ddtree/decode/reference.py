@@ -66,15 +66,16 @@ def run_host_rounds(dec, method: str, budget: int, draft: Draft | None, chooser:
     bonus, stopped = out[-1], out[-1] in stop_ids
     backlog = None  # the last round's bookkeeping: done while the device runs the next round
 
-    def book(toks, tree, path, n, T, marks):
-        if on_tokens:
-            on_tokens(toks)
+    def book(toks, tree, path, n, T, marks) -> bool:  # -> on_tokens' True: end the generation
+        halt = bool(on_tokens(toks)) if on_tokens else False
         ranks = tree.ranks.tolist()
         rounds.append(RoundRecord(tree_size=T - 1, tree_depth=max(tree.depths.tolist()), accepted=n - 1,
                                   accepted_ranks=[ranks[i] for i in path[1:]], committed=len(toks), times_ms={}))
         pending.append(marks)
+        return halt
 
-    while len(out) < max_new and not stopped:
+    halt = False
+    while len(out) < max_new and not stopped and not halt:
         # ---------------- tree (host) and upload into the static slot
         h0 = time.perf_counter()
         tree = host_tree(method, bonus, draft, budget, top1_first)
@@ -95,7 +96,7 @@ def run_host_rounds(dec, method: str, budget: int, draft: Draft | None, chooser:
                                 lambda: host_draft(dec, slot, taps, P, draft_kv, k, sampling))
         e2 = clock.now()
         if backlog is not None:  # the device is busy: the host catches up on the last round
-            book(*backlog)
+            halt = book(*backlog)
         w0 = time.perf_counter()
         host = packed.cpu().numpy()  # the round's one device-to-host sync; host work below is numpy/lists
         wait_s = time.perf_counter() - w0

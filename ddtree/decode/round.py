@@ -99,7 +99,9 @@ class Pipeline:
 
     # ---------------------------------------------------------------- the host side
     def run(self, out: list[int], start: int, max_new: int, stop_ids, on_tokens, rounds: list, pending: list):
-        """Rounds until max_new tokens or a stop token; appends to out, rounds and pending (stage marks)."""
+        """Rounds until max_new tokens, a stop token, or on_tokens returning True (a stop string, a
+        cancelled request: the round in flight is still committed, as after a stop token); appends
+        to out, rounds and pending (stage marks)."""
         dec, P = self.dec, self.policy.P
         sizes: dict[int, int] = {}
         marks = {0: self.launch(0, start, sizes)}
@@ -118,12 +120,11 @@ class Pipeline:
             start += got.n
             toks, stopped = emit(got.tokens[1:] + [got.bonus], max_new - len(out), stop_ids)
             out.extend(toks)
-            if on_tokens:
-                on_tokens(toks)
+            halt = bool(on_tokens(toks)) if on_tokens else False  # True: the caller ends the generation here
             rounds.append(RoundRecord(tree_size=T - 1, tree_depth=depth, accepted=got.n - 1, accepted_ranks=got.ranks,
                                       committed=len(toks), times_ms={}))
             pending.append(marks.pop(r) + [("host", (time.perf_counter() - h0 - wait_s) * 1e3)])
-            if stopped or len(out) >= max_new:
+            if stopped or halt or len(out) >= max_new:
                 return
             if not ahead:
                 marks[r + 1] = self.launch(r + 1, start, sizes)

@@ -22,7 +22,8 @@ EXAMPLES = {
     "top_k": 5, "seed": 11, "dtype": "float16", "devices": "cpu", "max_length": 999, "raw": True, "thinking": False,
     "top1_first": True, "tp": 2, "stats_json": "s.json", "jsonl": True, "warmup": 0, "interleave": True, "out": "r.json",
     "verbose": True, "gpu_memory": "2x48GiB", "attention": "math", "prompt_tokens": 4096, "system": "be brief",
-    "chat": True, "compiled": True,
+    "chat": True, "compiled": True, "server": "http://127.0.0.1:9", "api_key": "k", "host": "0.0.0.0", "port": 9,
+    "max_queue": 3,
 }
 
 

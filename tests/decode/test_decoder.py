@@ -207,6 +207,29 @@ def test_on_tokens_streams_exactly_the_output(hybrid0):
         o.restore()
 
 
+@pytest.mark.parametrize("host_rounds", [False, True])
+def test_on_tokens_returning_true_ends_the_generation_after_that_round(hybrid0, host_rounds):
+    """A caller ends a generation (a stop string, a cancelled request) by returning True from
+    on_tokens: the rounds stop there, and what came is a prefix of the whole generation, with
+    its rounds recorded."""
+    dec = hybrid0
+    dec.options = dec.options.replace(host_rounds=host_rounds)
+    prompt = _prompt(5, 10)
+    try:
+        for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 7)):
+            whole = dec.generate(prompt, method, budget=budget, max_new_tokens=30).token_ids
+            for calls in (1, 3):
+                chunks: list[list[int]] = []
+                rec = dec.generate(prompt, method, budget=budget, max_new_tokens=30,
+                                   on_tokens=lambda t: chunks.append(list(t)) or len(chunks) >= calls)
+                # host rounds book a round while the next one runs: one more chunk comes (not after the first token)
+                assert calls <= len(chunks) <= calls + (1 if host_rounds and calls > 1 else 0), (method, chunks)
+                assert [t for c in chunks for t in c] == rec.token_ids == whole[:len(rec.token_ids)]
+                assert len(rec.token_ids) < len(whole) and len(rec.rounds) == len(chunks) - 1
+    finally:
+        dec.options = dec.options.replace(host_rounds=False)
+
+
 def test_first_token_streams_before_the_drafters_first_block(hybrid0):
     """The prefill hands the first token to on_tokens as soon as the target chose it: the drafter's
     first block (as long as several rounds) runs after it. The record's ttft_s is that moment;
