@@ -360,9 +360,9 @@ class Repl:
                 self.say("interrupted")
 
     def reply(self, text: str) -> None:
-        from ddtree.app.cli import _Streamer
+        from ddtree.app.streaming import Streamer
 
-        streamer = _Streamer(self.s.spec.tokenizer, out=self.out)
+        streamer = Streamer(self.s.spec.tokenizer, out=self.out)
         result = self.s.send(text, streamer)
         streamer.finish()
         t = result.stats

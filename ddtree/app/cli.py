@@ -29,6 +29,7 @@ from loguru import logger
 from typer.core import TyperCommand, TyperGroup
 
 from ddtree.app.options import BY_NAME, defaults, options_for
+from ddtree.app.streaming import Streamer
 from ddtree.errors import DDTreeError
 
 OOM_MESSAGE = "out of GPU memory while {stage}: lower --max-length / --budget or add devices with --devices cuda:0,cuda:1"
@@ -239,62 +240,6 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-class _Streamer:
-    """Prints the newly decoded suffix of the whole generation as tokens arrive (echo=False:
-    only collects them, for --jsonl).
-
-    Decoding the whole id list keeps multi-token characters and byte-level merges right; a text
-    ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next tokens complete it.
-    The arrival times make the summary of a generation that Ctrl-C cut short.
-    """
-
-    def __init__(self, tokenizer, echo: bool = True, out=None):
-        self.tok = tokenizer
-        self.echo = echo
-        self.out = out
-        self.ids: list[int] = []
-        self.printed = ""
-        self.t0 = time.perf_counter()
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.finished = False
-
-    def _write(self, s: str) -> None:
-        out = self.out or sys.stdout
-        out.write(s)
-        out.flush()
-
-    def _emit(self, text: str) -> None:
-        if len(text) > len(self.printed):
-            # No Python call between the write and the bookkeeping: a Ctrl-C lands before the write
-            # (finish() prints it) or after the bookkeeping, never between them (it would print twice).
-            out = self.out or sys.stdout
-            try:
-                out.write(text[len(self.printed):])
-                out.flush()
-            finally:
-                self.printed = text
-
-    def text(self) -> str:
-        return self.tok.decode(self.ids, skip_special_tokens=True)
-
-    def __call__(self, toks: list[int]) -> None:
-        self.t_last = time.perf_counter()
-        if self.t_first is None:
-            self.t_first = self.t_last
-        self.ids.extend(int(t) for t in toks)
-        if self.echo:
-            text = self.text()
-            if not text.endswith("\ufffd"):
-                self._emit(text)
-
-    def finish(self) -> None:
-        if self.echo and not self.finished:
-            self._emit(self.text())
-            self._write("\n")
-        self.finished = True
-
-
 def _run_label(method: str, budget) -> str:
     return f"ddtree {budget}" if method == "ddtree" else method
 
@@ -318,7 +263,7 @@ def summary_line(rec, label: str) -> str:
     return line
 
 
-def _partial_line(p, n_prompt: int, s: _Streamer, label: str) -> str:
+def _partial_line(p, n_prompt: int, s: Streamer, label: str) -> str:
     n = len(s.ids)
     if n == 0:
         return f"{label}: interrupted before the first token of {p.label}"
@@ -327,7 +272,7 @@ def _partial_line(p, n_prompt: int, s: _Streamer, label: str) -> str:
             f"time to first token {(s.t_first - s.t0) * 1e3:.0f} ms ({p.label} unfinished: not in the statistics)")
 
 
-def _jsonl_record(p, rec=None, streamer: _Streamer | None = None, n_prompt: int = 0) -> dict:
+def _jsonl_record(p, rec=None, streamer: Streamer | None = None, n_prompt: int = 0) -> dict:
     """--jsonl: one object per prompt (documented in the README)."""
     from ddtree.stats import aggregate
 
@@ -419,7 +364,7 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
     current: dict = {}  # the prompt being generated: p, n (prompt tokens), streamer
 
     def start(p, ids):
-        current.update(p=p, n=len(ids), streamer=_Streamer(spec.tokenizer, echo=not jsonl))
+        current.update(p=p, n=len(ids), streamer=Streamer(spec.tokenizer, echo=not jsonl))
         return current["streamer"]
 
     def done(p, rec, streamer):
