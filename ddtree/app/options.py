@@ -132,7 +132,8 @@ OPTIONS: tuple[Opt, ...] = (
         metavar="SPEC"),
     Opt("attention", ("--attention",), str, (PLAN,),
         "The verify's and draft's attention path to plan for: kernel (the split-KV kernel, no mask), math (SDPA's "
-        "dense-mask fallback), fused (cuDNN), auto (what this machine runs)", default="auto", metavar="PATH"),
+        "dense-mask fallback), fused (cuDNN), auto (what the GPUs planned for run: with --gpu-memory, the split-KV kernel "
+        "of any CUDA GPU; else what the visible GPUs run)", default="auto", metavar="PATH"),
     Opt("raw", ("--raw",), bool, LOADS,
         "Send the prompt as is, without the tokenizer's chat template (chat: a plain transcript)", default=False,
         default_doc="--no-raw", negative="--no-raw"),
