@@ -273,7 +273,7 @@ def _partial_line(p, n_prompt: int, s: Streamer, label: str) -> str:
 
 
 def _jsonl_record(p, rec=None, streamer: Streamer | None = None, n_prompt: int = 0) -> dict:
-    """--jsonl: one object per prompt (documented in the README)."""
+    """--jsonl: one object per prompt (documented in docs/USAGE.md)."""
     from ddtree.stats import aggregate
 
     if rec is None:  # cut short by Ctrl-C
