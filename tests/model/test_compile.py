@@ -1,6 +1,6 @@
 """The compiled layer path (torch.compile / inductor) against the eager reference twin.
 
-On CPU inductor emits C++ (needs a compiler); on the GPU machine tests/test_gpu.py checks the
+On CPU inductor emits C++ (needs a compiler); on a GPU tests/test_gpu.py checks the
 Triton kernels the same way inside CUDA graphs. fp32, fresh random inputs, tight tolerances.
 """
 
