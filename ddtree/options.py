@@ -143,7 +143,7 @@ class Options:
 
 
 def markdown_table() -> str:
-    """The README's table of engine switches (tests/test_options.py checks README.md holds it)."""
+    """docs/USAGE.md's table of engine switches (tests/test_switches.py checks that file holds it)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for _name, env, default, help, experimental in table():
         shown = {True: "on", False: "off"}.get(default, default) if isinstance(default, bool) else default

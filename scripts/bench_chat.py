@@ -19,7 +19,8 @@ frozen as `ddtree chat` does (ddtree.decode.startup.freeze_heap); every turn rec
 spent in the collector's full collections (generation 2) during it.
 Then decode tok/s of one long reply (--decode-tokens) after the whole conversation, through
 `Conversation.turn` and through `Decoder.generate` on the same tokens (target: within 3%), and
-whether their tokens agree. Prints a table, writes JSON (--out). Examples:
+whether their tokens agree. Prints a table, writes JSON (--out). Feeds docs/USAGE.md's chat
+figures and the chat rows of docs/PERFORMANCE.md's targets (results/chat-h200.json). Examples:
     python scripts/bench_chat.py --out results/chat-h200.json          # 27B shapes, cuda:0, bf16
     python scripts/bench_chat.py --tiny --out /tmp/chat-tiny.json      # a tiny random pair on the CPU
 """

@@ -19,7 +19,8 @@ Cases:
 
 With --probe each process also prints torch's own compile-time counters at exit (dynamo's per
 function, and the time per phase). Prints a table last; JSON with --out; each process's stderr in
---logs.
+--logs. Feeds docs/USAGE.md's start-up table, the README's selftest time and the start-up rows of
+docs/PERFORMANCE.md's targets (results/startup-h200.json, results/startup-cpu.json).
 
     python scripts/bench_startup.py --codepair .fixture/codepair --cases generate,selftest,preset \
         --out results/startup-h200.json

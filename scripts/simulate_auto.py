@@ -29,6 +29,10 @@ back to back: the 27B rounds are device-bound). Costs: results/engine-long-h200.
 (AR step, verify of T nodes interpolated linearly in T, dflash and ddtree 16 / 32 / 64 rounds;
 a round's cost beyond its verify is the drafting round's, a plain step's is the AR step's).
 Prompts of one drafter share one AutoMemory, as the generations of one decoder do.
+
+Feeds docs/PERFORMANCE.md's "--budget auto at the 27B's costs" (results/auto-sim.json, on the
+traces of results/auto-traces-cpu.json.gz) and the replayed column of "codepair on one GPU"
+(results/auto-sim-codepair-h200.json).
 """
 
 from __future__ import annotations

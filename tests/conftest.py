@@ -18,7 +18,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-# ../shared/fixtures/codepair, or DDTREE_FIXTURE (e.g. a copy carried to the GPU machine)
+# ../shared/fixtures/codepair, or DDTREE_FIXTURE (a copy anywhere else)
 FIXTURE_DIR = Path(os.environ.get("DDTREE_FIXTURE") or Path(__file__).parents[1].parent / "shared" / "fixtures" / "codepair")
 FIXTURE_REASON = (
     f"codepair fixture not found at {FIXTURE_DIR}: clone the project with its ../shared folder beside it"

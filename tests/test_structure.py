@@ -1,6 +1,7 @@
 """Structure rules the code review holds the package to, checked so that they stay true: short
-entry points and Decoder class, no upward import from the model layer into the decoder, no import circle between
-the GDN chain's twin and fla, and results/ holding exactly what the docs cite, indexed."""
+entry points and Decoder class, no upward import from the model layer into the decoder, no import
+circle anywhere in ddtree/ (lazy imports inside functions included), and results/ holding exactly
+what the docs cite, indexed."""
 
 from __future__ import annotations
 
@@ -49,6 +50,82 @@ def test_model_and_ops_do_not_import_the_decoder():
     offenders = [f"{p.relative_to(REPO)}: {m}" for sub in ("model", "ops") for p in (REPO / "ddtree" / sub).rglob("*.py")
                  for m in _imports(p) if m.startswith("ddtree.decode")]
     assert not offenders, offenders
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """ddtree's modules -> the ddtree modules each imports, at any depth of its code: an import
+    inside a function is a dependency of the design all the same (it only defers the cost). A
+    package's __init__ is the package's own name; `from ddtree.app import setup` reaches the module
+    ddtree.app.setup, `from ddtree.app.setup import X` the same module."""
+    root = REPO / "ddtree"
+    names = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:  # relative: from the package, up level - 1
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - n.level + 1] + ([base] if base else []))
+                for a in n.names:
+                    deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in names else base)
+            elif isinstance(n, ast.Import):
+                deps.update(a.name for a in n.names)
+        graph[name] = {d for d in deps if d in names and d != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_ddtree():
+    graph = _module_graph()
+    assert len(graph) > 50 and "ddtree.app.setup" in graph["ddtree.app.cli"] | graph["ddtree.app.chat"]
+    circles = [" <-> ".join(c) + ": " + "; ".join(f"{a} imports {', '.join(sorted(graph[a] & set(c)))}" for a in c)
+               for c in _cycles(graph)]
+    assert not circles, "import circles (move what both sides share into a module both import downward): " \
+        + " | ".join(circles)
+
+
+def test_the_circle_finder_finds_circles():
+    """The check above on small graphs, so that it cannot pass by finding nothing."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set(), "c": {"b"}}) == []
+    assert sorted(_cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c", "a"}})) == [["a", "b"], ["c", "d"]]
 
 
 def test_gdn_does_not_import_fla():

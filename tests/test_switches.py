@@ -1,5 +1,5 @@
 """The engine switches (ddtree.options): one declaration each, read from the environment once,
-bad values as one error line, and the README's table made from them."""
+bad values as one error line, and the table of docs/USAGE.md made from them."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def test_every_switch_declared_once_and_recorded_whole():
     assert set(Options().to_dict()) == {f.name for f in dataclasses.fields(Options)}
 
 
-def test_readme_switch_table_is_the_code():
-    assert markdown_table() in (REPO / "README.md").read_text(), \
-        "README.md's engine switch table differs from ddtree.options.markdown_table(): paste it"
+def test_usage_switch_table_is_the_code():
+    assert markdown_table() in (REPO / "docs" / "USAGE.md").read_text(), \
+        "docs/USAGE.md's engine switch table differs from ddtree.options.markdown_table(): paste it"
 
 
 def test_no_module_reads_a_switch_but_options():

@@ -146,9 +146,9 @@ class Chat:
     # ---------------------------------------------------------------- turns
     def streamer(self, out):
         """What prints a reply to `out` as its tokens come."""
-        from ddtree.app.cli import _Streamer
+        from ddtree.app.streaming import Streamer
 
-        return _Streamer(self.spec.tokenizer, out=out)
+        return Streamer(self.spec.tokenizer, out=out)
 
     def send(self, text: str, on_tokens: Callable[[list[int]], None] | None = None) -> TurnResult:
         """One turn: the reply to `text`, streamed to on_tokens. A turn that does not fit

@@ -28,6 +28,7 @@ from loguru import logger
 from typer.core import TyperCommand, TyperGroup
 
 from ddtree.app.options import BY_NAME, defaults, options_for
+from ddtree.app.streaming import Streamer
 from ddtree.app.textio import jsonl_record as _jsonl_record, partial_line as _partial_line, \
     print_jsonl as _print_jsonl, read_prompts as _read_prompts, run_label as _run_label, summary_line  # noqa: F401
 from ddtree.errors import DDTreeError
@@ -237,60 +238,6 @@ def _command(name: str, body: Callable[..., Any], doc: str) -> None:
 # ============================================================================================
 
 
-class _Streamer:
-    """Prints the newly decoded suffix of the whole generation as tokens arrive (echo=False:
-    only collects them, for --jsonl).
-
-    Decoding the whole id list keeps multi-token characters and byte-level merges right; a text
-    ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next tokens complete it.
-    The arrival times make the summary of a generation that Ctrl-C cut short.
-    """
-
-    def __init__(self, tokenizer, echo: bool = True, out=None):
-        self.tok = tokenizer
-        self.echo = echo
-        self.out = out
-        self.ids: list[int] = []
-        self.printed = ""
-        self.t0 = time.perf_counter()
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.finished = False
-
-    def _write(self, s: str) -> None:
-        out = self.out or sys.stdout
-        out.write(s)
-        out.flush()
-
-    def _emit(self, text: str) -> None:
-        if len(text) > len(self.printed):
-            # No Python call between the write and the bookkeeping: a Ctrl-C lands before the write
-            # (finish() prints it) or after the bookkeeping, never between them (it would print twice).
-            out = self.out or sys.stdout
-            try:
-                out.write(text[len(self.printed):])
-                out.flush()
-            finally:
-                self.printed = text
-
-    def text(self) -> str:
-        return self.tok.decode(self.ids, skip_special_tokens=True)
-
-    def __call__(self, toks: list[int]) -> None:
-        self.t_last = time.perf_counter()
-        if self.t_first is None:
-            self.t_first = self.t_last
-        self.ids.extend(int(t) for t in toks)
-        if self.echo:
-            text = self.text()
-            if not text.endswith("\ufffd"):
-                self._emit(text)
-
-    def finish(self) -> None:
-        if self.echo and not self.finished:
-            self._emit(self.text())
-            self._write("\n")
-        self.finished = True
 
 
 def _warn_generate(opts: dict, given: frozenset, method: str, prompt: Optional[str]) -> None:
@@ -353,7 +300,7 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
     current: dict = {}  # the prompt being generated: p, n (prompt tokens), streamer
 
     def start(p, ids):
-        current.update(p=p, n=len(ids), streamer=_Streamer(spec.tokenizer, echo=not jsonl))
+        current.update(p=p, n=len(ids), streamer=Streamer(spec.tokenizer, echo=not jsonl))
         return current["streamer"]
 
     def done(p, rec, streamer):

@@ -1,8 +1,8 @@
 """Every command-line option, defined once: flags, type, default, help, the commands that take it.
 
 The typer commands (``ddtree.app.cli``), the TOML settings keys (``ddtree.app.settings``), the
-defaults applied after merging, and the README's options table (``markdown_table``; a test
-compares it with README.md) are all built from :data:`OPTIONS`. Nothing here imports torch: the
+defaults applied after merging, and the options table of docs/USAGE.md (``markdown_table``; a
+test compares it with that file) are all built from :data:`OPTIONS`. Nothing here imports torch: the
 command line parses and validates its arguments before any heavy import.
 """
 
@@ -26,7 +26,7 @@ class Opt:
     commands: tuple[str, ...]
     help: str | dict[str, str]  # one text, or per command
     default: Any = None  # the value after merging when nobody set it; a dict: per command
-    default_doc: str | dict[str, str] | None = None  # how --help and the README state a computed default
+    default_doc: str | dict[str, str] | None = None  # how --help and docs/USAGE.md state a computed default
     metavar: str | None = None
     min: float | None = None
     max: float | None = None
@@ -47,7 +47,7 @@ class Opt:
         return self.help[command] if isinstance(self.help, dict) else self.help
 
     def default_text(self, command: str | None = None) -> str | None:
-        """The default as --help and the README say it (None: no default worth stating)."""
+        """The default as --help and docs/USAGE.md say it (None: no default worth stating)."""
         doc = self.default_doc
         if command and isinstance(self.default, dict) and not isinstance(doc, dict):  # --help: this command's
             value = self.default.get(command)
@@ -137,7 +137,8 @@ OPTIONS: tuple[Opt, ...] = (
         metavar="SPEC"),
     Opt("attention", ("--attention",), str, (PLAN,),
         "The verify's and draft's attention path to plan for: kernel (the split-KV kernel, no mask), math (SDPA's "
-        "dense-mask fallback), fused (cuDNN), auto (what this machine runs)", default="auto", metavar="PATH"),
+        "dense-mask fallback), fused (cuDNN), auto (what the GPUs planned for run: with --gpu-memory, the split-KV kernel "
+        "of any CUDA GPU; else what the visible GPUs run)", default="auto", metavar="PATH"),
     Opt("raw", ("--raw",), bool, LOADS,
         "Send the prompt as is, without the tokenizer's chat template (chat: a plain transcript)", default=False,
         default_doc="--no-raw", negative="--no-raw"),
@@ -225,7 +226,7 @@ def flag_text(o: Opt) -> str:
 
 
 def markdown_table() -> str:
-    """The README's options table (tests/app/test_options.py checks README.md holds exactly this)."""
+    """docs/USAGE.md's options table (tests/app/test_options.py checks that file holds exactly this)."""
     rows = ["| option | commands | default | meaning |", "|---|---|---|---|"]
     for o in OPTIONS:
         commands = "all" if o.commands == COMMANDS else ", ".join(o.commands)

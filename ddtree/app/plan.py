@@ -44,6 +44,7 @@ class MemoryPlan:
     capacities: dict[str, int]  # per GPU, bytes
     capacity_kind: str  # 'total' (a card's memory, the CUDA context reserved) or 'free'
     largest: int | None  # the largest max_len (a multiple of LENGTH_STEP) that fits; None: none does
+    attention_basis: str = ""  # why the verify's attention is the one planned (the header says it)
 
     @property
     def max_len(self) -> int:
@@ -80,13 +81,14 @@ def largest_max_len(t: TargetConfig, d: DrafterConfig | None, devices, wl: Workl
 def plan_memory(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, devices: Sequence[Any],
                 capacities: dict[str, int] | Sequence[int], max_len: int, dtype: Any = "bfloat16", *,
                 attention: str = "math", verify_nodes: int = 33, capacity_kind: str = "total",
-                name: str = "target", search: bool = True, **workload) -> MemoryPlan:
+                name: str = "target", search: bool = True, attention_basis: str = "", **workload) -> MemoryPlan:
     """Place and tally the target (+ drafter) over `devices` (one stage per entry; entries may
     repeat) at max_len. capacities: bytes per GPU, as a dict keyed 'cuda:N' or a list in the
     order the GPUs first appear in `devices` (one value: every GPU). capacity_kind 'total' reserves
     the CUDA context on each GPU; 'free' (torch.cuda.mem_get_info after the context exists) does
     not. attention: the SDPA path of the verify's and draft's masked attention. Other Workload
-    fields (fla, deferred, tree_capacity, prefill_chunk, graphs, ...) pass through `workload`."""
+    fields (fla, deferred, tree_capacity, prefill_chunk, graphs, ...) pass through `workload`.
+    attention_basis: why that attention path (printed in the header)."""
     devices = list(devices)
     gpus = list(dict.fromkeys(gpu_of(x) for x in devices))
     caps = _capacity_map(capacities, gpus)
@@ -94,7 +96,7 @@ def plan_memory(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, dev
                   context=CUDA_CONTEXT if capacity_kind == "total" else 0, **workload)
     split = place(target_cfg, drafter_cfg, devices, wl, caps)
     largest = largest_max_len(target_cfg, drafter_cfg, devices, wl, caps) if search else None
-    return MemoryPlan(name, target_cfg, drafter_cfg, split, caps, capacity_kind, largest)
+    return MemoryPlan(name, target_cfg, drafter_cfg, split, caps, capacity_kind, largest, attention_basis)
 
 
 def _capacity_map(capacities, gpus: list[str]) -> dict[str, int]:
@@ -213,7 +215,8 @@ def format_plan(plan: MemoryPlan) -> str:
     head = [f"memory plan: {plan.name} ({t.num_layers} layers: {kinds})"
             + (f" + {d.num_layers}-layer DFlash drafter" if d else "")
             + f", {str(wl.dtype).replace('torch.', '')}, --max-length {wl.max_len}",
-            f"verify / draft attention: {ATTENTION_NOTES[wl.attention]}; verify of {min(wl.verify_nodes, wl.tree_capacity)} "
+            f"verify / draft attention: {ATTENTION_NOTES[wl.attention]}"
+            + (f" [{plan.attention_basis}]" if plan.attention_basis else "") + f"; verify of {min(wl.verify_nodes, wl.tree_capacity)} "
             "nodes; " + (("CUDA graphs" + (" in segments (one per stage visit)" if len(split.devices) > 1 else ""))
                          if graphs_on(wl, split.devices) else "no CUDA graphs (the eager split)"),
             f"prefill: chunks of {split.prefill_chunk} tokens"
@@ -364,16 +367,30 @@ def read_configs(target: str | None, drafter: str | None) -> tuple[TargetConfig,
 # ============================================================================================
 
 
-def default_attention() -> str:
-    """The verify's and draft's attention the engine takes under this environment's options on a
-    CUDA GPU: its split-KV kernel where Triton runs (ddtree.ops.dispatch), else SDPA's."""
+def engine_attention(triton: bool | None = None) -> str:
+    """The verify's and draft's attention the engine takes on a CUDA GPU under this environment's
+    options (ddtree.ops.dispatch's rule): its split-KV kernel where Triton runs, else SDPA's
+    dense-mask twin ('math' here: the plan's conservative SDPA path). triton: whether Triton runs
+    on those GPUs; None: whether it imports on this machine."""
     from ddtree.options import Options
 
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "math"
-    return "math" if Options.from_env().attention == "sdpa" else "kernel"
+    if triton is None:
+        try:
+            import triton as _triton  # noqa: F401
+        except ImportError:
+            triton = False
+        else:
+            triton = True
+    options = Options.from_env()
+    return "kernel" if triton and options.triton and options.attention != "sdpa" else "math"
+
+
+def _attention_switch() -> str:
+    """The engine switch that holds the verify to SDPA, if one is set ('' if none)."""
+    from ddtree.options import Options
+
+    options = Options.from_env()
+    return "DDTREE_NO_TRITON=1" if not options.triton else "DDTREE_ATTENTION=sdpa" if options.attention == "sdpa" else ""
 
 
 def attention_path(devices, target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None, dtype: Any) -> str:
@@ -384,7 +401,7 @@ def attention_path(devices, target_cfg: TargetConfig, drafter_cfg: DrafterConfig
     'kernel' wherever the engine takes its split-KV attention kernel instead (Triton, not turned off)."""
     import torch
 
-    if default_attention() == "kernel":
+    if engine_attention() == "kernel":
         return "kernel"
 
     from ddtree.model.checkpoint import parse_dtype
@@ -503,12 +520,18 @@ def run_plan(opts: dict, gpu_memory: str | None = None, attention: str = "auto",
     if sizes is None:
         caps, kind = gpu_capacities(devices, "total"), "total"
         path = attention_path(devices, t, d, dtype) if attention == "auto" else attention
+        basis = "what these GPUs run" if attention == "auto" else "as --attention asks"
     else:
+        # GPUs planned from their sizes run what any CUDA GPU runs: Triton ships with CUDA builds
+        # of torch, whatever this machine has (a CPU build, no Triton)
         caps, kind = _capacity_map(sizes, list(dict.fromkeys(devices))), "total"
-        path = default_attention() if attention == "auto" else attention
+        path = engine_attention(triton=True) if attention == "auto" else attention
+        switch = _attention_switch()
+        basis = ("as --attention asks" if attention != "auto" else f"as {switch} asks" if switch else
+                 "assumed for the GPUs of --gpu-memory: Triton ships with CUDA builds of torch; --attention math plans for SDPA's fallback")
     plan = plan_memory(t, d, devices, caps, max_len, dtype, attention=path, verify_nodes=_verify_nodes(budget, d),
                        capacity_kind=kind, name=str(opts.get("target")), deferred=budget == "auto" and d is not None,
-                       snapshots=mem.CHAT_SNAPSHOTS if opts.get("chat") else 0)
+                       snapshots=mem.CHAT_SNAPSHOTS if opts.get("chat") else 0, attention_basis=basis)
     print(format_plan(plan), flush=True)
     check_fits(plan)
     return plan

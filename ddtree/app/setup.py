@@ -13,7 +13,6 @@ import os
 import re
 import sys
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +20,7 @@ from typing import Any, Callable
 from loguru import logger
 
 from ddtree.app.prompts import Prompt, render_prompt
+from ddtree.app.tokenizer import JsonTokenizer, hf_tokenizer
 from ddtree.decode.methods import METHODS
 from ddtree.errors import DDTreeError
 
@@ -368,8 +368,6 @@ def load_tokenizer(model_dir: Path):
     tok = None
     try:
         if fast:
-            from ddtree.app.tokenizer import JsonTokenizer
-
             tok, why = JsonTokenizer.load(model_dir)
             if why:
                 logger.debug(f"tokenizer through transformers: {why}")
@@ -384,31 +382,6 @@ def load_tokenizer(model_dir: Path):
         raise DDTreeError(f"the tokenizer in {model_dir} is empty (no vocabulary): copy the model's tokenizer files "
                           "(tokenizer.json, tokenizer_config.json) into that folder")
     return tok
-
-
-def hf_tokenizer(model_dir: Path, fast: bool):
-    """transformers' tokenizer of model_dir: PreTrainedTokenizerFast over tokenizer.json (fast), or
-    AutoTokenizer (a checkpoint without tokenizer.json)."""
-    if fast:
-        from transformers import PreTrainedTokenizerFast as Loader
-    else:
-        from transformers import AutoTokenizer as Loader
-    with _quiet_transformers():
-        return Loader.from_pretrained(str(model_dir))
-
-
-@contextmanager
-def _quiet_transformers():
-    """transformers' logger warns when tokenizer_config.json names another class than the one
-    loading it (tokenizer_class: Qwen2Tokenizer): here that is the point, not news."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def stop_token_ids(model_dir: Path, tokenizer: Any, cfg: Any) -> frozenset:

@@ -15,6 +15,7 @@ compares both on random text and ids.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,6 @@ class JsonTokenizer:
     def hf(self):
         """transformers' tokenizer over the same files (imports transformers: first use only)."""
         if self._hf is None:
-            from ddtree.app.setup import hf_tokenizer
-
             self._hf = hf_tokenizer(self.model_dir, fast=True)
         return self._hf
 
@@ -136,3 +135,28 @@ class JsonTokenizer:
         if name.startswith("_") or name in ("model_dir", "backend", "cfg"):
             raise AttributeError(name)
         return getattr(self.hf, name)
+
+
+def hf_tokenizer(model_dir: Path, fast: bool):
+    """transformers' tokenizer of model_dir: PreTrainedTokenizerFast over tokenizer.json (fast), or
+    AutoTokenizer (a checkpoint without tokenizer.json)."""
+    if fast:
+        from transformers import PreTrainedTokenizerFast as Loader
+    else:
+        from transformers import AutoTokenizer as Loader
+    with _quiet_transformers():
+        return Loader.from_pretrained(str(model_dir))
+
+
+@contextmanager
+def _quiet_transformers():
+    """transformers' logger warns when tokenizer_config.json names another class than the one
+    loading it (tokenizer_class: Qwen2Tokenizer): here that is the point, not news."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

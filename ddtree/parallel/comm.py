@@ -21,7 +21,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-# NVLink SHARP / multicast stays off: it needs fabric-manager support that lent machines lack.
+# NVLink SHARP / multicast stays off: it needs fabric-manager support that many multi-GPU hosts and
+# containers lack.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -151,7 +151,7 @@ def test_generate_methods_agree_and_stats_json(tmp_path):
 
 
 def test_generate_readme_example_subprocess():
-    """The README's fixture command (shorter), in a real process from the repo root."""
+    """The README's CPU command (shorter), in a real process from the repo root."""
     skip_without_fixture()
     r = run_ddtree("generate", "--config", "configs/codepair.toml", "--max-new-tokens", "12", PROMPT)
     assert r.returncode == 0, r.stderr

@@ -1,5 +1,5 @@
 """The option table (ddtree.app.options) is the one definition: every command's flags, every TOML
-key and the README's options table come from it and agree with it."""
+key and the options table of docs/USAGE.md come from it and agree with it."""
 
 from __future__ import annotations
 
@@ -95,10 +95,10 @@ def _toml(v) -> str:
     return str(v)
 
 
-def test_readme_options_table_is_the_code():
-    readme = (REPO / "README.md").read_text()
+def test_usage_options_table_is_the_code():
+    usage = (REPO / "docs" / "USAGE.md").read_text()
     table = markdown_table()
-    assert table in readme, "README.md's options table differs from ddtree.app.options.markdown_table(): paste it"
+    assert table in usage, "docs/USAGE.md's options table differs from ddtree.app.options.markdown_table(): paste it"
     # and the table covers every option once
     rows = [ln for ln in table.splitlines()[2:]]
     assert len(rows) == len(OPTIONS)
@@ -107,7 +107,7 @@ def test_readme_options_table_is_the_code():
                    for r in rows) == 1, o.name
 
 
-def test_help_states_what_the_readme_promises():
+def test_help_states_what_the_docs_promise():
     from typer.testing import CliRunner
 
     def help_of(cmd):

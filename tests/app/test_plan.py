@@ -250,6 +250,30 @@ def test_cli_plan_prints_the_table(models, monkeypatch):
     assert "the model's maximum" in r.stdout and "deferred drafter context (auto)" in r.stdout
 
 
+def test_cli_plan_for_gpus_elsewhere_takes_their_attention_without_triton_here(models, monkeypatch):
+    """On a machine without Triton (a laptop, a CPU build of torch) --gpu-memory plans for what those
+    CUDA GPUs run: the split-KV kernel (Triton ships with CUDA builds of torch), and the header says
+    so. 2 x 48 GiB holds 131072 for Qwen3.6-27B + DFlash with room to spare; 2 x 24 GiB is refused."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    for switch in ("DDTREE_ATTENTION", "DDTREE_NO_TRITON"):
+        monkeypatch.delenv(switch, raising=False)
+    assert planmod.engine_attention() == "math"  # what this machine's own GPUs would take
+    r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
+               "--max-length", 131072)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    head = r.stdout.splitlines()[1]
+    assert head.startswith("verify / draft attention: the split-KV attention kernel"), head
+    assert "Triton ships with CUDA builds of torch" in head
+    assert "fits: 8.81 GiB to spare on cuda:0" in r.stdout
+    line = one_error_line(invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory",
+                                 "2x24GiB", "--max-length", 131072))
+    assert "the weights alone (53.33 GiB) exceed 2 x 24.00 GiB" in line, line
+    monkeypatch.setenv("DDTREE_ATTENTION", "sdpa")  # an engine switch still holds the plan to SDPA
+    r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
+               "--max-length", 131072)
+    assert "torch's math SDPA" in r.stdout and "as DDTREE_ATTENTION=sdpa asks" in r.stdout
+
+
 def test_cli_plan_that_does_not_fit(models, monkeypatch):
     """The table on stdout, then one error line: exit 2 (as generate would fail)."""
     monkeypatch.setenv("DDTREE_EAGER_SPLIT", "1")

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from ddtree.app import setup as S
-from ddtree.app.tokenizer import JsonTokenizer
+from ddtree.app.tokenizer import JsonTokenizer, hf_tokenizer
 from helpers import tokenizer_checkpoint
 
 PIECES = ["def ", "f(x):", "\n", "    ", "\t", "return", " x", "  + 1", "12345", "héllo", "世界", "🙂", "\r\n", "'s",
@@ -22,7 +22,7 @@ def test_json_tokenizer_equals_transformers(fixture_dir, tmp_path, seed):
     d = tokenizer_checkpoint(fixture_dir, tmp_path, tokenizer_class="Qwen2Tokenizer")
     tok = S.load_tokenizer(d)
     assert isinstance(tok, JsonTokenizer)
-    hf = S.hf_tokenizer(d, fast=True)
+    hf = hf_tokenizer(d, fast=True)
     rng = random.Random(seed)
     assert len(tok) == len(hf) and tok.eos_token_id == hf.eos_token_id
     for _ in range(300):
@@ -42,7 +42,7 @@ def test_json_tokenizer_renders_the_template_as_transformers(fixture_dir, tmp_pa
     d = tokenizer_checkpoint(fixture_dir, tmp_path, chat_template=chat)
     tok = S.load_tokenizer(d)
     assert isinstance(tok, JsonTokenizer) and tok.chat_template == chat and tok._hf is None
-    hf = S.hf_tokenizer(d, fast=True)
+    hf = hf_tokenizer(d, fast=True)
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert text == hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -64,4 +64,4 @@ def test_transformers_where_the_config_asks_for_more(fixture_dir, tmp_path, extr
     assert tok is None and why in reason
     loaded = S.load_tokenizer(d)
     assert not isinstance(loaded, JsonTokenizer)
-    assert loaded.encode("def f(x):", add_special_tokens=False) == S.hf_tokenizer(d, True).encode("def f(x):", add_special_tokens=False)
+    assert loaded.encode("def f(x):", add_special_tokens=False) == hf_tokenizer(d, True).encode("def f(x):", add_special_tokens=False)

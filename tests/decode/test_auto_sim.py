@@ -196,40 +196,6 @@ def test_bench_replay_takes_the_clock_of_the_documents_device(tmp_path, devices,
     assert row["tok_per_ms"] == pytest.approx(want["tok_per_ms"])
 
 
-def test_auto_losses_puts_each_round_in_its_kind_and_adds_up():
-    """scripts/auto_losses.py: auto's rounds by kind (plain, probe, tree, tree->plain) against `ar`'s
-    stage time per token, and the host's time outside the stages; the parts add up to auto's decode
-    time less ar's."""
-    from scripts.auto_losses import kind_of, losses
-
-    assert [kind_of([0, 0, 4, 8, 0, 15], i) for i in range(6)] == ["plain", "probe", "tree", "tree->plain", "probe",
-                                                                  "tree->plain"]
-
-    def prompt(sizes, committed, stage_ms, host_ms):  # stage_ms per round: (verify, step)
-        return {"num_rounds": len(sizes), "new_tokens": sum(committed) + 1,
-                "decode_s": (sum(v + s for v, s in stage_ms) + host_ms) / 1e3,
-                "rounds": {"tree_size": sizes, "committed": committed,
-                           "times_ms": {"verify": [v for v, _ in stage_ms], "draft": [s for _, s in stage_ms]}}}
-
-    ar = prompt([0] * 9, [1] * 9, [(9.0, 1.0)] * 9, host_ms=0.6)  # 10 ms a token; the same 9 tokens as auto's
-    auto = prompt([0, 0, 4, 8, 0, 0], [1, 1, 2, 3, 1, 1], [(9.0, 1.0), (9.0, 11.0), (20.0, 11.0), (25.0, 11.0),
-                                                           (9.0, 1.0), (9.0, 1.0)], host_ms=1.5)
-    ar["new_tokens"] = auto["new_tokens"] = 10
-    doc = {"metadata": {"drafter": "/x/drafter-distilled", "dtype": "float32"},
-           "runs": [{"method": "ar", "budget": None, "prompts": [ar]},
-                    {"method": "ddtree", "budget": None, "budget_setting": "auto", "prompts": [auto]}]}
-    row = losses(doc)
-    k = row["kinds"]
-    assert {n: (v["rounds"], v["tokens"]) for n, v in k.items()} == {
-        "plain": (3, 3), "probe": (1, 1), "tree": (1, 2), "tree->plain": (1, 3)}
-    assert k["plain"]["over_ar_ms"] == pytest.approx(0.0) and k["probe"]["over_ar_ms"] == pytest.approx(10.0)
-    assert k["tree"]["over_ar_ms"] == pytest.approx(11.0) and k["tree->plain"]["over_ar_ms"] == pytest.approx(6.0)
-    assert row["host"]["over_ar_ms"] == pytest.approx(0.9)
-    total = sum(v["over_ar_ms"] for v in k.values()) + row["host"]["over_ar_ms"]
-    assert total == pytest.approx(row["auto_decode_ms"] - row["ar_decode_ms"])
-    assert row["auto_vs_ar"] == pytest.approx(90.6 / 118.5) and row["drafter"] == "drafter-distilled"
-
-
 def test_auto_verifies_what_its_step_staged(monkeypatch):
     """Each round verifies the arm the step before it staged, or takes a plain step: never a prefix
     of a staged tree (each prefix new to a context bucket was a graph key of its own, and on the

@@ -1,6 +1,6 @@
 """The compiled layer path (torch.compile / inductor) against the eager reference twin.
 
-On CPU inductor emits C++ (needs a compiler); on the GPU machine tests/test_gpu.py checks the
+On CPU inductor emits C++ (needs a compiler); on a GPU tests/test_gpu.py checks the
 Triton kernels the same way inside CUDA graphs. fp32, fresh random inputs, tight tolerances.
 """
 
@@ -116,8 +116,7 @@ def check_compiled_prefill_matches_eager(device: str, tol: float = 5e-5):
     eager run's, to the same tol (its taps only finite: they are checked layer by layer above).
 
     Per layer, since the tiny random model carries a rounding-level difference far: every layer's
-    input nudged by 1e-7 of its largest value moves the taps by ~1e-4, eager against eager
-    (scripts/diag_compiled_prefill.py, its sensitivity row). The GDN layers' per-head norms (q/k's
+    input nudged by 1e-7 of its largest value moves the taps by ~1e-4, eager against eager. The GDN layers' per-head norms (q/k's
     l2norm, the gated RMS norm of the recurrence's output) rescale heads far smaller than the
     largest value, so an error at the largest value's rounding becomes one at the head's own scale
     (one layer: x20 on the CPU). A layer's own compiled-vs-eager difference is float32 rounding

@@ -258,10 +258,13 @@ def test_tp_triton_kernels_match_single_process(pair_dirs, one_thread, monkeypat
 
 
 def test_multigpu_bench_exactness_check_runs_on_cpu(one_thread):
-    """scripts/bench_multigpu.py's float32 token check (layer split vs one device, TP=2 vs one device),
-    run here with CPU devices and gloo: it must report every method equal."""
+    """scripts/bench_multigpu.py's float32 token check (layer split vs one device, TP=2 vs one device;
+    the split alone where its stages share one GPU), run here with CPU devices and gloo: it must
+    report every method equal."""
     from scripts.bench_multigpu import exactness
 
     got = exactness(("cpu", "cpu"), "cpu", new_tokens=12)
     assert set(got) == {"layer split = 1 device", "TP=2 = 1 device"}
     assert all(all(v.values()) and len(v) == 3 for v in got.values()), got
+    got = exactness(("cpu", "cpu"), "cpu", new_tokens=12, tp=False)  # --split-devices on one GPU: no TP rows
+    assert set(got) == {"layer split = 1 device"} and all(got["layer split = 1 device"].values()), got
