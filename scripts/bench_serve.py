@@ -1,5 +1,14 @@
 #!/usr/bin/env python3
-"""`ddtree serve` against the in-process commands, on a GPU (both parts run on a CPU too, slowly).
+"""`ddtree serve` and `ddtree chat` measured: a server under load (CPU), against the in-process
+commands (GPU; on a CPU too, slowly), and chat's kept state against re-prefilling (GPU).
+
+load: C concurrent clients x R requests each through the official openai client on the codepair
+    fixture (float32, greedy, CPU). The server runs as a subprocess on a free loopback port
+    (stopped with SIGTERM at the end: it must exit 0); every reply is computed first with
+    in-process `ddtree generate` and must equal it token for token; each request picks a prompt,
+    chat or text completion, streamed or not, and a method in turn. The server's VmRSS is sampled
+    every 0.1 s: its growth from the end of the first round to the end stays within
+    --max-rss-growth. Queue waits (usage.ddtree.queue_s) as percentiles; exit 1 when a check fails.
 
 oneoff: the codepair pair (target + drafter-distilled, the commands' defaults: bf16 on cuda). A
     `ddtree serve` subprocess is started and made ready (its ready line is kept); then --runs fresh
@@ -16,12 +25,37 @@ random: the Qwen3.6-27B shapes with random weights on one GPU (a forward's cost 
     same decoder and prompt (what `ddtree bench` times), after a warm-up of every prompt through both;
     the time to first token the client saw against the engine's (what HTTP adds). With --chat, a
     conversation with a --system-tokens system prompt: the second turn's time to first token at the
-    client against 1.2 x the same number of tokens prefilled alone + 20 ms (scripts/bench_chat.py's
+    client against 1.2 x the same number of tokens prefilled alone + 20 ms (the chat part's
     target).
+chat: `ddtree chat`'s kept state against re-prefilling the whole conversation every turn, with
+    random weights of full-size shapes (a forward's cost does not depend on weight values), on one GPU.
+    
+    A conversation of token ids: a system prompt of --system-tokens, then --turns turns, each a user
+    message of --turn-tokens and a reply of --reply-tokens (random weights never stop), every next
+    prompt the conversation so far (a plain transcript at the token level). Per turn:
+      * chat: time to first token of `Conversation.turn` (restore, prefill of what the kept state
+        lacks, first draft), the tokens it reused and prefilled, and the settle after the reply;
+      * re-prefill: time to first token of a fresh `Decoder.prefill` of the whole conversation;
+      * alone: a fresh prefill of just as many tokens as the chat turn prefilled (from position 0),
+        through the path the turn took (Decoder.prefill's rule: a kept state's turn takes the fast
+        path once a fast prefill ran; a fresh short prompt would take the eager twins);
+      * target (turns > 1): chat TTFT <= 1.2 x alone + 20 ms.
+    The conversation runs --passes times from a fresh Conversation (the same tokens); a turn's chat
+    TTFT is the median over the passes, as `alone` is the median of three prefills: one sample of a
+    launch-bound 200-token prefill on a shared host is not a figure. After each settle the heap is
+    frozen as `ddtree chat` does (ddtree.decode.startup.freeze_heap); every turn records the time
+    spent in the collector's full collections (generation 2) during it.
+    Then decode tok/s of one long reply (--decode-tokens) after the whole conversation, through
+    `Conversation.turn` and through `Decoder.generate` on the same tokens (target: within 3%), and
+    whether their tokens agree. Prints a table, writes JSON (--out). Feeds docs/USAGE.md's chat
+    figures and the chat rows of docs/PERFORMANCE.md's targets (results/chat-h200.json). (results/chat-h200.json).
 Writes JSON (--out). Examples:
-    python scripts/bench_serve.py --part oneoff --fixture .fixture/codepair --baseline --out results/serve-oneoff-h100.json
-    python scripts/bench_serve.py --part random --chat --out results/serve-27b-h100.json
-    python scripts/bench_serve.py --part random --tiny --chat --out /tmp/serve-tiny.json   # CPU: the script's own check
+    python scripts/bench_serve.py chat --out results/chat-h200.json   # 27B shapes, cuda:0, bf16
+    python scripts/bench_serve.py chat --tiny --out /tmp/chat-tiny.json
+    python scripts/bench_serve.py load                             # 8 clients x 20 requests: results/serve-load-cpu.json
+    python scripts/bench_serve.py oneoff --fixture .fixture/codepair --baseline --out results/serve-oneoff-h100.json
+    python scripts/bench_serve.py random --chat --out results/serve-27b-h100.json
+    python scripts/bench_serve.py random --tiny --chat --out /tmp/serve-tiny.json   # CPU: the script's own check
 """
 
 from __future__ import annotations
@@ -30,18 +64,321 @@ import argparse
 import datetime
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import gc
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-from load_serve import Server, child_env, git_commit  # noqa: E402
+from ddtree.decode.conversation import Conversation  # noqa: E402
+from ddtree.decode.decoder import Decoder  # noqa: E402
+from ddtree.decode.sampling import SamplingParams  # noqa: E402
+from ddtree.decode.startup import freeze_heap  # noqa: E402
+from ddtree.model.presets import PRESETS  # noqa: E402
+from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config, tiny_hybrid_config  # noqa: E402
+from ddtree.options import Options  # noqa: E402
+FIXTURE = Path(os.environ.get("DDTREE_FIXTURE") or REPO.parent / "shared" / "fixtures" / "codepair")
+METHODS = ("ar", "dflash", "ddtree")
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class Server:
+    """`python -m ddtree serve ARGS --port 0` as a subprocess: its URL once /health answers 200;
+    stop() sends SIGTERM and returns the exit status. stderr is kept (self.log)."""
+
+    def __init__(self, args: list, timeout: float = 180, env: dict | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-m", "ddtree", "serve", *map(str, args), "--port", "0"],
+                                     cwd=str(REPO), env=env or child_env(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        found = threading.Event()
+
+        def pump():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                m = re.search(r"listening on (http://\S+)", line)
+                if m and self.url is None:
+                    self.url = m.group(1)
+                    found.set()
+            found.set()
+
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
+        t0 = time.monotonic()
+        found.wait(timeout)
+        if self.url is None:
+            self.stop()
+            raise RuntimeError("the server printed no address:\n" + self.log)
+        import httpx
+
+        self.health: list[int] = []  # the statuses /health answered while starting
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n" + self.log)
+            try:
+                self.health.append(httpx.get(self.url + "/health", timeout=2).status_code)
+                if self.health[-1] == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("the server was not ready in time:\n" + self.log)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def rss_mib(self) -> float | None:
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            return None
+        return None
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._pump.join(5)
+        return self.proc.returncode
+
+
+def model_args(fixture: Path, max_length: int, max_new: int) -> list:
+    return ["--target", fixture / "target", "--drafter", fixture / "drafter", "--dtype", "float32", "--devices", "cpu",
+            "--budget", 8, "--max-length", max_length, "--max-new-tokens", max_new]
+
+
+def references(fixture: Path, rows: list[dict], max_length: int, max_new: int, methods=METHODS) -> dict:
+    """{(method, row id): (text, token ids)} from in-process `ddtree generate --prompts --stats-json`
+    (rows: {"id", "prompt"}, the text as the server sees it: a completion's prompt, a chat's transcript)."""
+    from typer.testing import CliRunner
+
+    from ddtree.app.cli import app
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for method in methods:
+            stats = Path(tmp) / f"{method}.json"
+            r = CliRunner().invoke(app, ["generate", *map(str, model_args(fixture, max_length, max_new)), "--method",
+                                         method, "--prompts", str(prompts), "--stats-json", str(stats), "--jsonl"])
+            if r.exit_code != 0:
+                raise RuntimeError(f"generate failed ({r.exit_code}): {r.output}")
+            for p in json.loads(stats.read_text())["runs"][0]["prompts"]:
+                out[method, p["prompt_id"]] = (p["text"], p["token_ids"])
+    return out
+
+
+def load_rows(fixture: Path, n: int, chars: int = 400) -> list[dict]:
+    """n prompts of the fixture (their last `chars` characters) as requests: even ones as text
+    completions, odd ones as one-message chats (the server renders a plain transcript: the message
+    and a newline)."""
+    rows = []
+    with open(fixture / "prompts.jsonl") as f:
+        for i, line in enumerate(f):
+            if i >= n:
+                break
+            text = json.loads(line)["prompt"][-chars:]
+            kind = "completion" if i % 2 == 0 else "chat"
+            rows.append({"id": f"p{i}", "kind": kind, "text": text,
+                         "prompt": text if kind == "completion" else text + "\n"})
+    return rows
+
+
+def one_request(client, model: str, row: dict, method: str, stream: bool, max_new: int) -> dict:
+    """-> {"text", "token_ids", "finish", "queue_s", "latency_s"} of one request through the openai client."""
+    extra = {"ddtree": {"method": method, "record": True}}
+    t0 = time.perf_counter()
+    text, usage, finish = "", None, None
+    if row["kind"] == "chat":
+        kw = dict(model=model, messages=[{"role": "user", "content": row["text"]}], max_tokens=max_new,
+                  temperature=0, extra_body=extra)
+        if stream:
+            for ch in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+                if ch.choices:
+                    text += ch.choices[0].delta.content or ""
+                    finish = ch.choices[0].finish_reason or finish
+                if ch.usage:
+                    usage = ch.usage
+        else:
+            r = client.chat.completions.create(**kw)
+            text, usage, finish = r.choices[0].message.content, r.usage, r.choices[0].finish_reason
+    else:
+        kw = dict(model=model, prompt=row["text"], max_tokens=max_new, temperature=0, extra_body=extra)
+        if stream:
+            for ch in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+                if ch.choices:
+                    text += ch.choices[0].text or ""
+                    finish = ch.choices[0].finish_reason or finish
+                if ch.usage:
+                    usage = ch.usage
+        else:
+            r = client.completions.create(**kw)
+            text, usage, finish = r.choices[0].text, r.usage, r.choices[0].finish_reason
+    d = usage.model_extra["ddtree"] if usage.model_extra and "ddtree" in usage.model_extra else usage.ddtree
+    return {"text": text, "token_ids": d["record"]["token_ids"], "finish": finish, "queue_s": d["queue_s"],
+            "latency_s": time.perf_counter() - t0, "reused": d["reused_tokens"]}
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    s = sorted(xs)
+
+    def q(p):
+        return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
+
+    return {"p50": q(50), "p90": q(90), "p99": q(99), "max": s[-1], "mean": sum(s) / len(s)}
+
+
+def run_load(server: Server, clients: int, requests: int, rows: list[dict], refs: dict, max_new: int,
+             methods=METHODS, api_key: str = "none") -> dict:
+    """The clients against a running server; -> the figures and every mismatch or error."""
+    import openai
+
+    model = openai.OpenAI(base_url=server.url + "/v1", api_key=api_key).models.list().data[0].id
+    results: list[dict] = []
+    errors: list[str] = []
+    firsts = threading.Barrier(clients + 1)
+    lock = threading.Lock()
+    rss: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            m = server.rss_mib()
+            if m is not None:
+                rss.append((time.perf_counter(), m))
+            stop.wait(0.1)
+
+    def client(c: int):
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+        for i in range(requests):
+            k = c * requests + i
+            row, method, stream = rows[k % len(rows)], methods[k % len(methods)], (k // len(methods)) % 2 == 0
+            try:
+                got = one_request(api, model, row, method, stream, max_new)
+                want_text, want_ids = refs[method, row["id"]]
+                ok = got["text"] == want_text and got["token_ids"] == want_ids
+                with lock:
+                    results.append(dict(got, client=c, request=i, row=row["id"], method=method, stream=stream, equal=ok))
+                    if not ok:
+                        errors.append(f"client {c} request {i} ({row['id']}, {method}, stream {stream}): reply differs "
+                                      f"from generate's: {got['text']!r} vs {want_text!r}")
+            except Exception as e:  # noqa: BLE001 - every failure is a finding
+                with lock:
+                    errors.append(f"client {c} request {i}: {type(e).__name__}: {e}")
+            if i == 0:
+                firsts.wait()
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    firsts.wait()
+    t_first = time.perf_counter()
+    rss_first = server.rss_mib()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    rss_end = server.rss_mib()
+    stop.set()
+    sampler.join()
+    after = [m for t, m in rss if t >= t_first]
+    growth = (max(after + [rss_end]) / rss_first - 1) if rss_first and after else None
+    return {
+        "clients": clients, "requests_per_client": requests, "requests": len(results), "errors": errors,
+        "all_equal": bool(results) and all(r["equal"] for r in results) and len(results) == clients * requests,
+        "wall_s": wall, "requests_per_s": len(results) / wall if wall else None,
+        "queue_wait_s": percentiles([r["queue_s"] for r in results]),
+        "latency_s": percentiles([r["latency_s"] for r in results]),
+        "rss_mib": {"first_round": rss_first, "end": rss_end, "peak_after_first_round": max(after) if after else None,
+                    "growth_after_first_round": growth, "samples": len(rss)},
+        "streamed": sum(r["stream"] for r in results),
+        "by_method": {m: sum(r["method"] == m for r in results) for m in methods},
+    }
+
+
+def git_commit() -> str:
+    if os.environ.get("DDTREE_COMMIT"):  # a copy of the tree without its history (the GPU machine's)
+        return os.environ["DDTREE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+
+def part_load(args) -> int:
+    fixture = Path(args.fixture)
+    rows = load_rows(fixture, args.prompts)
+    t0 = time.perf_counter()
+    refs = references(fixture, rows, args.max_length, args.max_new_tokens)
+    print(f"references: {len(refs)} generations in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    server = Server(model_args(fixture, args.max_length, args.max_new_tokens)
+                    + ["--max-queue", max(args.clients, 1)])
+    try:
+        doc = run_load(server, args.clients, args.requests, rows, refs, args.max_new_tokens)
+    finally:
+        rc = server.stop()
+    growth = doc["rss_mib"]["growth_after_first_round"]
+    checks = {"no_error": not doc["errors"], "every_reply_equal": doc["all_equal"],
+              "rss_flat": growth is not None and growth <= args.max_rss_growth,
+              "within_time_limit": doc["wall_s"] <= args.time_limit, "sigterm_exit_0": rc == 0}
+    doc = {"what": "ddtree serve under load: concurrent openai clients against one server, every reply checked "
+                   "against ddtree generate", "date": str(datetime.date.today()), "commit": git_commit(),
+           "machine": {"cpus": os.cpu_count(), "device": "cpu", "dtype": "float32", "omp_threads": 1},
+           "fixture": "codepair (target + drafter)", "max_new_tokens": args.max_new_tokens,
+           "prompts": len(rows), **doc, "checks": checks, "passed": all(checks.values())}
+    q, rs = doc["queue_wait_s"], doc["rss_mib"]
+    print(f"{doc['requests']} requests ({args.clients} clients x {args.requests}) in {doc['wall_s']:.1f} s, "
+          f"{len(doc['errors'])} errors, every reply equal to generate's: {doc['all_equal']}; queue wait p50 "
+          f"{q.get('p50', 0):.3f} s, p90 {q.get('p90', 0):.3f} s, p99 {q.get('p99', 0):.3f} s, max {q.get('max', 0):.3f} s; "
+          f"RSS {rs['first_round']:.0f} MiB after the first round, {rs['end']:.0f} MiB at the end "
+          f"(growth {100 * (growth or 0):.1f}%); SIGTERM exit {rc}")
+    for e in doc["errors"][:10]:
+        print("  " + e, file=sys.stderr)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0 if doc["passed"] else 1
+
+
 
 ONEOFF_PROMPT = "def quicksort(xs):"
 
@@ -342,30 +679,260 @@ def chat_turns(srv: InProcess, client, args, vocab: int, budget) -> dict:
     return out
 
 
+# ============================================================================================
+# chat: the kept state against re-prefilling
+# ============================================================================================
+
+
+def chat_rand_ids(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n,), generator=g).tolist()
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def fresh_ttft(dec: Decoder, ids: list[int], job, fast: bool | None = None) -> float:
+    """Time to first token of a fresh prefill (reset, the whole prompt, the first draft), in s;
+    fast: Decoder.prefill's path (default its rule)."""
+    sync(dec.device)
+    t0 = time.perf_counter()
+    dec.prefill(ids, job, fast=fast)
+    return time.perf_counter() - t0
+
+
+class FullCollections:
+    """Milliseconds the collector spends in full collections (generation 2) while counting."""
+
+    def __init__(self):
+        self.ms, self._t0 = 0.0, None
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict):
+        if info["generation"] == 2:
+            if phase == "start":
+                self._t0 = time.perf_counter()
+            elif self._t0 is not None:
+                self.ms += (time.perf_counter() - self._t0) * 1e3
+                self._t0 = None
+
+    def take(self) -> float:
+        ms, self.ms = self.ms, 0.0
+        return ms
+
+
+def run_conversation(dec: Decoder, args, vocab: int, method: str, budget, turns: int,
+                     full: FullCollections | None = None) -> tuple[list[dict], list[int]]:
+    """The chat: per turn its prompt, TTFT, reuse and settle (then, where `full` counts, the heap
+    frozen as ddtree chat does after a settle). -> (rows, the conversation's tokens after the last reply)."""
+    conv = Conversation(dec)
+    ids = chat_rand_ids(args.system_tokens, vocab, 1) + chat_rand_ids(args.turn_tokens, vocab, 100)
+    rows = []
+    for n in range(turns):
+        job = dec.job(method, budget, SamplingParams(), args.reply_tokens, 0, False, len(ids))
+        if full:
+            full.take()
+        rec = conv.turn(ids, job, marks=(args.system_tokens,), pin=(args.system_tokens,))
+        gc_ms = full.take() if full else None  # in full collections during the turn (prefill and reply)
+        r = conv.last
+        sync(dec.device)
+        t0 = time.perf_counter()
+        done = ids + rec.token_ids
+        s = conv.settle(done, taps=method != "ar")
+        sync(dec.device)
+        settle_ms = (time.perf_counter() - t0) * 1e3
+        if full:
+            freeze_heap(dec.graphs)
+        rows.append({"turn": n + 1, "prompt_tokens": len(ids), "reused": r.reused, "prefilled": r.prefilled,
+                     "chat_ttft_ms": rec.ttft_s * 1e3, "decode_tok_s": rec.decode_tok_s, "ids": list(ids),
+                     "full_gc_ms": gc_ms, "settle_prefilled": s.prefilled, "settle_ms": settle_ms})
+        ids = done + chat_rand_ids(args.turn_tokens, vocab, 101 + n)
+    return rows, ids[: len(ids) - args.turn_tokens]
+
+
+def heap_probe() -> dict:
+    """What a full collection costs in this process now (before the heap is frozen): objects tracked, ms."""
+    n = len(gc.get_objects())
+    t0 = time.perf_counter()
+    gc.collect()
+    return {"tracked_objects": n, "full_collection_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def decode_rates(dec: Decoder, ids: list[int], method: str, budget, n_tokens: int, reps: int) -> dict:
+    """Decode tok/s of one reply after `ids`: through a Conversation turn (its state resumed from
+    a settle at ids) and through Decoder.generate (a fresh prefill), best of reps each."""
+    job = dec.job(method, budget, SamplingParams(), n_tokens, 0, False, len(ids) + 1)
+    prompt = ids + [11]  # the next message: one token
+    chat, gen, same = [], [], True
+    for _ in range(reps):
+        conv = Conversation(dec)
+        conv.settle(ids, taps=method != "ar")
+        a = conv.turn(prompt, job)
+        b = dec.generate(prompt, method, budget, max_new_tokens=n_tokens)
+        chat.append(a.decode_tok_s)
+        gen.append(b.decode_tok_s)
+        same &= a.token_ids == b.token_ids
+    c, g = max(chat), max(gen)
+    return {"context": len(prompt), "new_tokens": n_tokens, "chat_tok_s": c, "generate_tok_s": g,
+            "ratio": c / g if g else None, "chat_runs": chat, "generate_runs": gen, "same_tokens": same}
+
+
+def part_chat(args) -> None:
+    from ddtree.app.cli import setup_logging
+
+    setup_logging(False)  # INFO: loguru's default sink would time auto's per-round debug lines
+    small = dict(system_tokens=256, turns=3, turn_tokens=20, reply_tokens=8, decode_tokens=16)
+    full = dict(system_tokens=16384, turns=8, turn_tokens=200, reply_tokens=64, decode_tokens=256)
+    for k, v in (small if args.tiny else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    budget = args.budget if args.budget == "auto" else int(args.budget)
+    devices = (args.devices or ("cpu" if args.tiny else "cuda:0")).split(",")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.tiny:
+        raw_t = tiny_hybrid_config(vocab=97)
+        raw_d = tiny_drafter_config(raw_t)
+        name = "tiny-hybrid"
+    else:
+        mk_t, mk_d = PRESETS[args.preset]
+        raw_t, raw_d = mk_t(), mk_d()
+        name = args.preset
+    max_len = args.system_tokens + (args.turns + 1) * (args.turn_tokens + args.reply_tokens) + args.decode_tokens + 1024
+    t0 = time.perf_counter()
+    target, drafter = build_random_on_devices(raw_t, raw_d, devices, dtype, max_len)
+    dec = Decoder(target, drafter, options=Options.from_env())
+    vocab = target.cfg.vocab_size
+    print(f"[{name}] built in {time.perf_counter() - t0:.1f}s, max length {max_len}", file=sys.stderr, flush=True)
+
+    # warm-up: compile and capture what the timed runs meet (the conversation's turns, a fresh
+    # prefill of it and of a turn's tokens alone, a long reply through both paths)
+    t0 = time.perf_counter()
+    warm, end = run_conversation(dec, args, vocab, args.method, budget, 2)
+    job = dec.job(args.method, budget, SamplingParams(), 8, 0, False, len(warm[-1]["ids"]))
+    fresh_ttft(dec, warm[-1]["ids"], job)
+    fresh_ttft(dec, chat_rand_ids(warm[-1]["prefilled"], vocab, 7), job, fast=True)
+    decode_rates(dec, end, args.method, budget, min(args.decode_tokens, 32), 1)
+    print(f"warm-up {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    heap = heap_probe()
+    heap["froze"] = freeze_heap(dec.graphs)
+    print(f"heap after the warm-up: {heap['tracked_objects']} tracked objects, a full collection "
+          f"{heap['full_collection_ms']:.1f} ms (then frozen)", file=sys.stderr, flush=True)
+
+    full = FullCollections()
+    passes = [run_conversation(dec, args, vocab, args.method, budget, args.turns, full) for _ in range(args.passes)]
+    rows, end = passes[0]
+    for i, r in enumerate(rows):
+        runs = [p[0][i] for p in passes]
+        r["chat_ttft_runs_ms"] = [x["chat_ttft_ms"] for x in runs]
+        r["chat_ttft_ms"] = statistics.median(r["chat_ttft_runs_ms"])
+        r["full_gc_runs_ms"] = [x["full_gc_ms"] for x in runs]
+        r["settle_ms"] = statistics.median(x["settle_ms"] for x in runs)
+    for r in rows:
+        ids = r.pop("ids")
+        job = dec.job(args.method, budget, SamplingParams(), 8, 0, False, len(ids))
+        r["reprefill_ttft_ms"] = fresh_ttft(dec, ids, job) * 1e3
+        alone = chat_rand_ids(r["prefilled"], vocab, 1000 + r["turn"])
+        # alone through the path the chat turn took (a kept state's turn is fast once a fast prefill ran)
+        r["alone_path"] = "fast" if dec.target.fast_prefill_ran else "eager"
+        r["alone_ms"] = statistics.median(fresh_ttft(dec, alone, job, fast=dec.target.fast_prefill_ran)
+                                          for _ in range(3)) * 1e3
+        r["target_ms"] = 1.2 * r["alone_ms"] + 20
+        r["meets"] = r["chat_ttft_ms"] <= r["target_ms"] if r["turn"] > 1 else None
+    decode = decode_rates(dec, end, args.method, budget, args.decode_tokens, args.reps)
+    later = [r["chat_ttft_ms"] for r in rows[1:]]
+
+    head = ["turn", "context", "reused", "prefilled", "chat TTFT ms", "(passes)", "re-prefill TTFT ms", "alone ms",
+            "target ms", "met", "settle ms (tokens)", "full gc ms"]
+    table = [[str(r["turn"]), str(r["prompt_tokens"]), str(r["reused"]), str(r["prefilled"]), f"{r['chat_ttft_ms']:.1f}",
+              "/".join(f"{x:.0f}" for x in r["chat_ttft_runs_ms"]),
+              f"{r['reprefill_ttft_ms']:.1f}", f"{r['alone_ms']:.1f}", f"{r['target_ms']:.1f}",
+              "-" if r["meets"] is None else ("yes" if r["meets"] else "NO"),
+              f"{r['settle_ms']:.1f} ({r['settle_prefilled']})",
+              "/".join(f"{x:.0f}" for x in r["full_gc_runs_ms"])] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *table)]
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and devices[0].startswith("cuda") else "cpu"
+    print(f"\n{name}, {args.method} {budget if args.method == 'ddtree' else ''}, {gpu}, {datetime.date.today()}, "
+          f"commit {git_commit()}: a {args.system_tokens}-token system prompt, {args.turns} turns of {args.turn_tokens} "
+          f"user + {args.reply_tokens} reply tokens; chat TTFT the median of {args.passes} passes, alone of 3")
+    for line in [head] + table:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    if later:
+        print(f"turns 2..{args.turns}: chat TTFT {min(later):.1f} .. {max(later):.1f} ms "
+              f"(spread {max(later) - min(later):.1f} ms over {rows[-1]['prompt_tokens'] - rows[1]['prompt_tokens']} "
+              "more tokens of context)")
+    ratio = decode["ratio"]
+    print(f"decode after {decode['context']} tokens, {decode['new_tokens']} new: chat {decode['chat_tok_s']:.1f} tok/s, "
+          f"generate {decode['generate_tok_s']:.1f} tok/s, ratio {ratio:.3f} "
+          f"({'within' if ratio is not None and abs(ratio - 1) <= 0.03 else 'NOT within'} 3%); "
+          f"same tokens: {'yes' if decode['same_tokens'] else 'no'}")
+    doc = {"preset": name, "gpu": gpu, "date": str(datetime.date.today()), "commit": git_commit(),
+           "args": vars(args), "max_len": max_len, "heap": heap, "turns": rows, "decode": decode,
+           "targets": {"ttft_met_all": all(r["meets"] for r in rows[1:]) if rows[1:] else None,
+                       "decode_within_3pct": ratio is not None and abs(ratio - 1) <= 0.03}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("oneoff", "random", "both"), default="both")
-    ap.add_argument("--fixture", default=str(REPO / ".fixture" / "codepair"))
-    ap.add_argument("--drafter", default="drafter-distilled", help="the fixture's drafter folder (oneoff)")
-    ap.add_argument("--oneoff-tokens", type=int, default=96)
-    ap.add_argument("--runs", type=int, default=3, help="client processes (and in-process ones with --baseline)")
-    ap.add_argument("--baseline", action="store_true", help="oneoff: also time the in-process command")
-    ap.add_argument("--devices", default=None)
-    ap.add_argument("--preset", default="qwen3.6-27b")
-    ap.add_argument("--tiny", action="store_true", help="random: a tiny random hybrid on the CPU (checks the script)")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--budget", default="32")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--chat", action="store_true")
-    ap.add_argument("--system-tokens", type=int, default=16384)
-    ap.add_argument("--turn-tokens", type=int, default=200)
-    ap.add_argument("--reply-tokens", type=int, default=64)
-    ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--out", default="results/serve-bench.json")
+    sub = ap.add_subparsers(dest="part", required=True)
+    ld = sub.add_parser("load", help="concurrent openai clients against one server, every reply checked (CPU)")
+    ld.add_argument("--clients", type=int, default=8)
+    ld.add_argument("--requests", type=int, default=20, help="per client")
+    ld.add_argument("--prompts", type=int, default=8, help="distinct prompts of the fixture")
+    ld.add_argument("--max-new-tokens", type=int, default=32)
+    ld.add_argument("--max-length", type=int, default=1024)
+    ld.add_argument("--max-rss-growth", type=float, default=0.05)
+    ld.add_argument("--time-limit", type=float, default=180, help="seconds the load may take")
+    ld.add_argument("--fixture", default=str(FIXTURE))
+    ld.add_argument("--out", default="results/serve-load-cpu.json")
+    for name in ("oneoff", "random", "both"):
+        p = sub.add_parser(name, help={"oneoff": "fresh generate --server processes against a warm server (codepair)",
+                                       "random": "the 27B random shapes served in-process against Decoder.generate",
+                                       "both": "oneoff, then random"}[name])
+        p.add_argument("--fixture", default=str(REPO / ".fixture" / "codepair"))
+        p.add_argument("--drafter", default="drafter-distilled", help="the fixture's drafter folder (oneoff)")
+        p.add_argument("--oneoff-tokens", type=int, default=96)
+        p.add_argument("--runs", type=int, default=3, help="client processes (and in-process ones with --baseline)")
+        p.add_argument("--baseline", action="store_true", help="oneoff: also time the in-process command")
+        p.add_argument("--devices", default=None)
+        p.add_argument("--preset", default="qwen3.6-27b")
+        p.add_argument("--tiny", action="store_true", help="random: a tiny random hybrid on the CPU (checks the script)")
+        p.add_argument("--prompts", type=int, default=4)
+        p.add_argument("--prompt-tokens", type=int, default=512)
+        p.add_argument("--new-tokens", type=int, default=256)
+        p.add_argument("--budget", default="32")
+        p.add_argument("--warmup", type=int, default=1)
+        p.add_argument("--chat", action="store_true")
+        p.add_argument("--system-tokens", type=int, default=16384)
+        p.add_argument("--turn-tokens", type=int, default=200)
+        p.add_argument("--reply-tokens", type=int, default=64)
+        p.add_argument("--passes", type=int, default=3)
+        p.add_argument("--out", default="results/serve-bench.json")
+    ch = sub.add_parser("chat", help="ddtree chat's kept state against re-prefilling, random full-size weights (GPU)")
+    ch.add_argument("--preset", default="qwen3.6-27b", choices=sorted(PRESETS))
+    ch.add_argument("--tiny", action="store_true", help="a tiny random hybrid on the CPU, in float32 (tests the script)")
+    ch.add_argument("--devices", default=None, help="default: cuda:0 (cpu with --tiny)")
+    ch.add_argument("--system-tokens", type=int, default=None, help="default 16384 (--tiny: 256)")
+    ch.add_argument("--turns", type=int, default=None, help="default 8 (--tiny: 3)")
+    ch.add_argument("--turn-tokens", type=int, default=None, help="user tokens per turn; default 200 (--tiny: 20)")
+    ch.add_argument("--reply-tokens", type=int, default=None, help="reply tokens per turn; default 64 (--tiny: 8)")
+    ch.add_argument("--decode-tokens", type=int, default=None, help="the long reply's tokens; default 256 (--tiny: 16)")
+    ch.add_argument("--method", default="ddtree")
+    ch.add_argument("--budget", default="32")
+    ch.add_argument("--reps", type=int, default=2, help="repetitions of the decode-rate pair")
+    ch.add_argument("--passes", type=int, default=3, help="runs of the whole conversation (a turn's chat TTFT: their median)")
+    ch.add_argument("--out", default="results/chat.json")
     args = ap.parse_args()
-    import torch
+    if args.part == "load":
+        return part_load(args)
+    if args.part == "chat":
+        part_chat(args)
+        return 0
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     doc = {"gpu": gpu, "date": str(datetime.date.today()), "commit": git_commit(), "args": vars(args)}

@@ -9,13 +9,14 @@
 #   bash scripts/reproduce_gpu.sh codepair          # codepair: every method and --budget auto, 3 drafters x 2 dtypes
 #   bash scripts/reproduce_gpu.sh chat memory       # chat's time to first token per turn; the memory plan at 32K / 128K
 #   bash scripts/reproduce_gpu.sh startup           # codepair: generate and selftest in fresh processes, cold and warm
+#   bash scripts/reproduce_gpu.sh serve             # codepair: a one-off generate --server; 27B shapes: decode through the server
 #   bash scripts/reproduce_gpu.sh split             # 27B shapes: the layer split with both stages on one GPU
 #   bash scripts/reproduce_gpu.sh profile verify    # where a round's time goes; the verify's GEMMs and GDN recurrence
 #   bash scripts/reproduce_gpu.sh suite             # the GPU tests
 #   bash scripts/reproduce_gpu.sh twogpu            # two GPUs: layer split and TP=2 against one GPU, one TP rank
 #   bash scripts/reproduce_gpu.sh all               # every group but twogpu
 set -u -o pipefail
-GROUPS_KNOWN="engine codepair chat memory startup split profile verify suite twogpu"
+GROUPS_KNOWN="engine codepair chat memory startup serve split profile verify suite twogpu"
 FIXTURE=${FIXTURE:-../shared/fixtures/codepair}
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
@@ -25,14 +26,14 @@ while [ $# -gt 0 ]; do
     --fixture) FIXTURE=$2; shift 2 ;;
     --fixture=*) FIXTURE=${1#--fixture=}; shift ;;
     --out) OUT=$2; shift 2 ;;
-    all) args+=(engine codepair chat memory startup split profile verify suite); shift ;;
+    all) args+=(engine codepair chat memory startup serve split profile verify suite); shift ;;
     *) args+=("$1"); shift ;;
     esac
 done
 [ ${#args[@]} -gt 0 ] || { echo "error: name groups among: $GROUPS_KNOWN, or all" >&2; exit 2; }
 for group in "${args[@]}"; do  # every name checked before anything runs
     case " $GROUPS_KNOWN " in *" $group "*) ;; *) echo "error: unknown group '$group': name groups among: $GROUPS_KNOWN, or all" >&2; exit 2 ;; esac
-    case "$group" in codepair|startup|profile|suite)
+    case "$group" in codepair|startup|serve|profile|suite)
         [ -f "$FIXTURE/target/config.json" ] || { echo "error: group $group needs the codepair fixture: pass --fixture DIR (no target/config.json under $FIXTURE)" >&2; exit 2; } ;;
     esac
 done
@@ -51,8 +52,9 @@ step() {  # step LOG COMMAND...: one run, its output teed into $OUT/LOG
 
 for group in "${args[@]}"; do
 case "$group" in
-engine)  # "Qwen3.6-27B shapes, one GPU", "Qwen3-8B shapes", the transformers row of "Targets"
-    step engine.log "$PY" scripts/bench_engine.py --sizes 1,16,17,32,33,64,65 --out "$OUT/engine-long-$GPU.json"
+engine)  # "Qwen3.6-27B shapes, one GPU", "Qwen3-8B shapes", the transformers row of "Targets", the projection's split
+    step engine.log "$PY" scripts/bench_engine.py --sizes 1,16,17,32,33,64,65 --budgets 15,16,31,32,64 --profile \
+        --out "$OUT/engine-long-$GPU.json"
     step engine-dense.log "$PY" scripts/bench_engine.py --parts dense --out "$OUT/engine-dense-$GPU.json"
     step engine.log "$PY" scripts/bench_engine.py --contexts 1024 --hf --out "$OUT/engine-$GPU.json"
     ;;
@@ -60,7 +62,7 @@ codepair)  # "codepair on one GPU"
     step codepair.log "$PY" scripts/bench_auto.py --fixture "$FIXTURE" --out-dir "$OUT/auto-$GPU"
     ;;
 chat)  # USAGE.md's chat figures and the chat rows of "Targets"
-    step chat.log "$PY" scripts/bench_chat.py --out "$OUT/chat-$GPU.json"
+    step chat.log "$PY" scripts/bench_serve.py chat --out "$OUT/chat-$GPU.json"
     ;;
 memory)  # the memory-plan row of "Targets"
     step memory.log "$PY" scripts/check_memory_plan.py --prompt-tokens 32768 --out "$OUT/memory-plan-32k-$GPU.json"
@@ -69,6 +71,10 @@ memory)  # the memory-plan row of "Targets"
 startup)  # USAGE.md's start-up table; Python keeps the bytecode it compiles, as after a pip install
     step startup.log env -u PYTHONDONTWRITEBYTECODE "$PY" scripts/bench_startup.py --codepair "$FIXTURE" \
         --cases generate,selftest,profile --logs "$OUT/startup-logs" --out "$OUT/startup-$GPU.json"
+    ;;
+serve)  # SERVE.md's one-off and server-against-bench tables
+    step serve.log "$PY" scripts/bench_serve.py oneoff --fixture "$FIXTURE" --baseline --out "$OUT/serve-oneoff-$GPU.json"
+    step serve.log "$PY" scripts/bench_serve.py random --chat --out "$OUT/serve-27b-$GPU.json"
     ;;
 split)  # "The layer split on one GPU"
     step split.log "$PY" scripts/bench_multigpu.py --split-devices cuda:0,cuda:0 --no-eager --out "$OUT/split-$GPU.json"

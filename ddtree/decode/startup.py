@@ -60,7 +60,7 @@ def freeze_heap(graphs) -> bool:
     runner) never is: so not where decoders come and go (tests, benches). Nothing happens when
     nothing new was compiled or captured since the runner's last freeze (`graphs.frozen_at`).
     On the Qwen3.6-27B shapes after a chat's warm-up: about 950K objects, a full collection 498 ms
-    (scripts/bench_chat.py). -> whether it froze."""
+    (scripts/bench_serve.py chat). -> whether it froze."""
     mark = (graphs.new_keys, round(compile_seconds(), 6))
     if getattr(graphs, "frozen_at", None) == mark:
         return False

@@ -31,7 +31,8 @@ def invocations(markdown: str) -> list[tuple[str, list[str]]]:
     """(command, flags) of every `ddtree ...` in the fenced shell blocks and the inline code spans
     (headings aside) of a markdown text; env assignments, pipes and && chains are understood,
     comments dropped."""
-    blocks = re.findall(r"^```(?:bash|sh|shell)?\n(.*?)^```", markdown, re.M | re.S)
+    blocks = [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", markdown, re.M | re.S)  # fences in pairs
+              if lang in ("", "bash", "sh", "shell")]
     lines = [ln for b in blocks for ln in b.replace("\\\n", " ").splitlines()]
     prose = re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S)
     lines += [span for ln in prose.splitlines() if not ln.startswith("#") for span in re.findall(r"`(ddtree [^`]*)`", ln)]

@@ -5,7 +5,7 @@ state and still equals generate; stop strings; the bad-input table (each a 4xx i
 shape in under 50 ms, nothing served or changed, the next request right); a client that leaves
 mid-stream; a full queue (429); /metrics through prometheus_client's parser; SIGTERM exits 0;
 `generate --server` and `chat --server` print what the in-process commands print, in a process
-without torch; a short load (scripts/load_serve.py)."""
+without torch; a short load (scripts/bench_serve.py load)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ddtree.app.cli import app
 
 pytestmark = pytest.mark.skipif(not have_fixture(), reason=f"codepair fixture not found at {FIXTURE_DIR}")
 
-from scripts.load_serve import Server, load_rows, model_args, references, run_load  # noqa: E402
+from scripts.bench_serve import Server, load_rows, model_args, references, run_load  # noqa: E402
 
 KEY = "test-key"
 MAX_LEN, N = 512, 16  # the server's --max-length and --max-new-tokens
@@ -433,7 +433,7 @@ def test_the_client_imports_no_torch_and_fails_fast(served):
 
 
 def test_a_short_load(served):
-    """scripts/load_serve.py's load, short: 3 clients x 2 requests, every reply equal to generate's."""
+    """scripts/bench_serve.py load, short: 3 clients x 2 requests, every reply equal to generate's."""
     rows = load_rows(FIXTURE_DIR, 3, chars=120)
     refs = references(FIXTURE_DIR, rows, MAX_LEN, N, ["ar", "dflash", "ddtree"])
     doc = run_load(served, 3, 2, rows, refs, N, api_key=KEY)
