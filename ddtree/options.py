@@ -12,7 +12,6 @@ package reads the environment for these.
     tree_kernel      DDTREE_TRITON_TREE       auto      tree verify's GDN recurrence in one kernel: auto (small tiles in one, larger trees by blocks), on (one up to 128 nodes; 64 on sm_86), off
     tree_precision   DDTREE_TREE_PRECISION    tf32x3    that kernel's tile products: tf32x3 (fp32-grade on tensor cores) or ieee
     tree_prologue    DDTREE_TREE_PROLOGUE     65        the GDN prologue in Triton for trees of up to N nodes: inside the one-tile tree kernel, or one kernel ahead of the blocked one (0: off)
-    tree_fused       DDTREE_TREE_FUSED        0         trees past the one-tile kernel's sizes, up to N nodes, verify their GDN layers in one launch (prologue, matrices and blocks; 0: the prologue kernel, then the two passes)
     attention        DDTREE_ATTENTION         auto      tree / decode attention: auto (the split-KV kernel where it runs), kernel, sdpa (dense-mask twin)
     prefill_attention DDTREE_PREFILL_ATTENTION auto     prefill attention: auto (cuDNN for long chunks, FlashAttention-2 for short ones, each the other's fallback, else the split-KV kernel), cudnn, flash, triton, efficient
     verify_fused     DDTREE_VERIFY_FUSED      auto      a verify's long committed prefix through cuDNN's attention, the rest by the split-KV kernel: auto (Hopper), on (any CUDA GPU), off
@@ -35,6 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ddtree.errors import DDTreeError
+
+# ddtree's default draft budget: 31 nodes and the root verify 32, a size the verify's kernels and
+# GEMM tiles take at the cost of 31; a 32-node budget's 33 cost 0.4 ms more a round on an H100
+# for 0.4-0.6% more tokens per round on the codepair pair (docs/PERFORMANCE.md, "The tree's fixed cost").
+DEFAULT_BUDGET = 31
 
 
 def _switch(env: str, help: str, parse=None, experimental: bool = False, **kw):
@@ -81,9 +85,6 @@ class Options:
                                   _choice("tf32x3", "ieee"), default="tf32x3")
     tree_prologue: int = _switch("DDTREE_TREE_PROLOGUE", "the GDN prologue in Triton (inside the one-tile tree kernel, or ahead of the blocked one) up to this many nodes (0: off)",
                                  _count, default=65)
-    tree_fused: int = _switch("DDTREE_TREE_FUSED", "trees past the one-tile kernel's sizes, up to this many nodes, verify each GDN layer in one "
-                              "launch: prologue, matrices and blocks (0: the prologue kernel, then the blocked kernel's two passes)",
-                              _count, default=0)
     attention: str = _switch("DDTREE_ATTENTION", "tree/decode attention: auto, kernel (split-KV), sdpa (dense-mask twin)",
                              _choice("auto", "kernel", "sdpa"), default="auto")
     prefill_attention: str = _switch("DDTREE_PREFILL_ATTENTION",

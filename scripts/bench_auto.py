@@ -11,6 +11,7 @@ codepair-<drafter>-<dtype>.json; the table says decode tok/s per method, the bes
 auto's ratio to it (the target: at least 0.97), how often auto took a plain step, the graph pieces
 captured or compiled inside timed prompts (per method; 0 where the warm-up covered every key), and
 whether every method equalled ar (float32 rows). A summary JSON (bench-auto.json) holds the table.
+Feeds docs/PERFORMANCE.md's "codepair on one GPU" and "codepair on a CPU" tables.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ Per context length L (a random prompt of L tokens, prefilled for real once):
 Also: copy bandwidth and the HBM roofline of an AR step, transformers' own forward on the same
 weights (--hf), the Qwen3-8B shapes' DDTree round (--dense), and `ddtree bench` on the real
 codepair pair per dtype and drafter (--codepair DIR). Prints the tables and the targets, writes
-JSON (--out). Example:
+JSON (--out). Feeds docs/PERFORMANCE.md's 27B and 8B tables, "Where the time goes" (--profile), the
+projection's split (scripts/project_a6000.py reads --profile results) and the targets.
+Example:
     python scripts/bench_engine.py --hf --dense --codepair .fixture/codepair --out results/engine-h200.json
 """
 
@@ -320,7 +322,7 @@ def codepair_bench(d: Path, device: str, limit: int, out: str, budgets: str, dty
 
 
 def git_commit() -> str:
-    if os.environ.get("DDTREE_COMMIT"):  # a copy of the tree without its history (the GPU machine's)
+    if os.environ.get("DDTREE_COMMIT"):  # a copy of the tree without its git history
         return os.environ["DDTREE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -448,10 +450,18 @@ def targets(out: dict):
         rows.append(("AR >= 80% of the HBM roofline (1K)", f"{r1['ar_tok_s']:.1f} tok/s = {100 * r1['ar_tok_s'] / roof:.0f}% of {roof:.1f}",
                      r1["ar_tok_s"] >= 0.8 * roof))
         step = r1["ar_ms"]
-        for T, lim in ((17, 1.04), (33, 1.06), (65, 1.12), (32, 1.2), (64, 1.3)):
+        for T, lim in ((17, 1.03), (33, 1.05), (65, 1.10), (32, 1.2), (64, 1.3)):
             if T in r1["verify_ms"] or str(T) in r1["verify_ms"]:
                 v = r1["verify_ms"].get(T, r1["verify_ms"].get(str(T)))
                 rows.append((f"verify {T} nodes <= {lim}x AR step (1K)", f"{v:.2f} ms = {v / step:.2f}x of {step:.2f}", v <= lim * step))
+        vm = {int(k): v for k, v in r1["verify_ms"].items()}
+        if {1, 65} <= set(vm):  # a tree's cost grows smoothly: no one-node step above twice the average node
+            avg = (vm[65] - vm[1]) / 64
+            for t in (16, 32, 64):
+                if {t, t + 1} <= set(vm):
+                    step_ms = vm[t + 1] - vm[t]
+                    rows.append((f"verify {t} -> {t + 1} nodes <= 2x the average node (1K)",
+                                 f"{step_ms:.2f} ms = {step_ms / avg:.1f}x of {avg:.3f}", step_ms <= 2 * avg))
         rows.append(("drafter forward <= 0.15x AR step (1K)", f"{r1['draft_ms']:.2f} ms = {r1['draft_ms'] / step:.2f}x",
                      r1["draft_ms"] <= 0.15 * step))
         for key in ("ddtree:32", "dflash:15"):
@@ -469,7 +479,7 @@ def targets(out: dict):
         if r128:
             rows.append(("TTFT <= 20 s (128K prompt)", f"{r128['ttft_s']:.2f} s", r128["ttft_s"] <= 20))
             rows.append(("AR step at 128K <= 1.15x 1K", f"{r128['ar_ms'] / step:.2f}x", r128["ar_ms"] <= 1.15 * step))
-        for L, key, lim in ((1024, "ddtree:32", 1.03), (131072, "ddtree:32", 1.05), (1024, "ddtree:64", 1.08)):
+        for L, key, lim in ((1024, "ddtree:32", 1.02), (131072, "ddtree:32", 1.04), (1024, "ddtree:64", 1.05)):
             r = ctxs.get(L)
             if r and key in r["rounds"] and "dflash:15" in r["rounds"]:
                 q = r["rounds"][key]["round_ms"] / r["rounds"]["dflash:15"]["round_ms"]

@@ -333,7 +333,7 @@ def run_load(server: Server, clients: int, requests: int, rows: list[dict], refs
 
 
 def git_commit() -> str:
-    if os.environ.get("DDTREE_COMMIT"):  # a copy of the tree without its history (the GPU machine's)
+    if os.environ.get("DDTREE_COMMIT"):  # a copy of the tree without its git history
         return os.environ["DDTREE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,

@@ -13,13 +13,13 @@
    gdn_tree_blocked (`blocked`: its rule's block, root and tiles; `blocked<B>`: blocks of B nodes
    of --blocks, `root`: with the root folded into the state first, at its tiles and at each of
    --tiles); and `blocked prologue` (the engine's path past one tile: gdn_tree.gdn_prologue from
-   the projection, then gdn_tree_blocked; less the projection's time) against `fused<B>` (the same
-   in one launch, gdn_tree.gdn_tree_fused, in blocks of B, at its tiles and at (BV, warps) 32,4
-   64,4 128,8; less the projection's time).
+   the projection, then gdn_tree_blocked; less the projection's time)
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
-are upper bounds. Example:
+are upper bounds. Feeds docs/PERFORMANCE.md's "Where the time goes" (part tile) and the GDN kernel rules'
+measurements (part core).
+Example:
     python scripts/bench_verify.py --nodes 16,17,32,33,64 --out results/verify-parts-h200.json
 """
 
@@ -214,10 +214,6 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
             pj, ex = layer.project(x)
             return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, pj, ex, step.window), S0, mask, scratch, prec)
 
-        def fused(block=16, t=None):  # the same in one launch (gdn_tree_fused), less the projection's time
-            pj, ex = layer.project(x)
-            return gdn_tree.gdn_tree_fused(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t, block=block)
-
         with_proj = {blocked_prologue}
         proj_ms = graph_ms(lambda: layer.project(x))
         row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
@@ -241,8 +237,6 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
                          ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked prologue", blocked_prologue),
-                         *((f"fused{b}" + (f" BV{t[0]} w{t[1]}" if t else ""), _noted(with_proj, lambda b=b, t=t: fused(b, t)))
-                           for b in (16, 64) for t in (None, (32, 4), (64, 4), (128, 8))),
                          *((f"blocked{b} root" if r else f"blocked{b}", lambda b=b, r=r: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, block=b, root=r))
                            for b in blocks for r in (False, True)),

@@ -33,6 +33,7 @@ prefill and the first compiles of the Triton kernels).
 --tiny builds the tests' tiny random pair instead of the 27B shapes; on the CPU there are no
 allocator statistics, so the measured columns read 0 and nothing is flagged: a dry run that
 the script still matches the code.
+Feeds the memory-plan row of docs/PERFORMANCE.md's targets.
 """
 
 from __future__ import annotations

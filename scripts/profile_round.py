@@ -8,7 +8,8 @@ device idling on the host or on launch gaps), and the kernels that cost the most
 On a small target every kernel launch counts; this shows which pieces to fuse. `--graphs` also
 replays every captured graph on its own (verify per tree size, the step after it) with its
 kernels; `--preset qwen3.6-27b` profiles random full-size weights instead; `--prefill 8192,32768`
-profiles the prefill at those prompt lengths instead of rounds (kernel time per category). Example:
+profiles the prefill at those prompt lengths instead of rounds (kernel time per category). Feeds docs/PERFORMANCE.md's "Where the time goes" (the prefill) and the codepair profile.
+Example:
     python scripts/profile_round.py --target ../shared/fixtures/codepair/target \
         --drafter ../shared/fixtures/codepair/drafter --methods ar,dflash,ddtree:16 --out results/profile.json
 """

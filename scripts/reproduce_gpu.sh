@@ -53,10 +53,11 @@ step() {  # step LOG COMMAND...: one run, its output teed into $OUT/LOG
 for group in "${args[@]}"; do
 case "$group" in
 engine)  # "Qwen3.6-27B shapes, one GPU", "Qwen3-8B shapes", the transformers row of "Targets", the projection's split
-    step engine.log "$PY" scripts/bench_engine.py --sizes 1,16,17,32,33,64,65 --budgets 15,16,31,32,64 --profile \
-        --out "$OUT/engine-long-$GPU.json"
+    step engine.log "$PY" scripts/bench_engine.py --sizes 1,16,17,32,33,64,65 --out "$OUT/engine-long-$GPU.json"
     step engine-dense.log "$PY" scripts/bench_engine.py --parts dense --out "$OUT/engine-dense-$GPU.json"
     step engine.log "$PY" scripts/bench_engine.py --contexts 1024 --hf --out "$OUT/engine-$GPU.json"
+    step engine.log "$PY" scripts/bench_engine.py --contexts 1024 --sizes 1,16,17,32,33,64,65 --budgets 15,16,31,32,64 \
+        --profile --out "$OUT/engine-1k-$GPU.json"
     ;;
 codepair)  # "codepair on one GPU"
     step codepair.log "$PY" scripts/bench_auto.py --fixture "$FIXTURE" --out-dir "$OUT/auto-$GPU"
@@ -80,8 +81,6 @@ split)  # "The layer split on one GPU"
     step split.log "$PY" scripts/bench_multigpu.py --split-devices cuda:0,cuda:0 --no-eager --out "$OUT/split-$GPU.json"
     ;;
 profile)  # "Where the time goes"
-    step profile.log "$PY" scripts/profile_round.py --preset qwen3.6-27b --methods ar,ddtree:32 --graphs --tokens 24 \
-        --out "$OUT/profile-27b-round-$GPU.json"
     step profile.log "$PY" scripts/profile_round.py --preset qwen3.6-27b --prefill 8192 --out "$OUT/profile-prefill-$GPU.json"
     step profile.log "$PY" scripts/profile_round.py --target "$FIXTURE/target" --drafter "$FIXTURE/drafter-large" \
         --methods ar,dflash,ddtree:8,ddtree:auto --graphs --out "$OUT/profile-auto-$GPU.json"

@@ -24,6 +24,7 @@ from ddtree.app import setup as S
 from ddtree.app.options import BY_NAME
 from ddtree.app.prompts import load_prompts
 from ddtree.errors import DDTreeError
+from ddtree.options import DEFAULT_BUDGET
 from ddtree.stats import aggregate, is_auto, make_run_document, tokens_per_forward
 
 # the shared set-up, under the names older callers import from here
@@ -176,7 +177,7 @@ def run_bench(
     drafter: str | None = None,
     prompts: str = "code",
     methods: str | list = "ar,dflash,ddtree",
-    budgets: str | list | int = "8,16,32,64",
+    budgets: str | list | int = "8,15,31,63",
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -318,7 +319,7 @@ class _Bench:
 
         def gen(method, budget, ids, pid, n_new):
             return self.dec.generate(
-                ids, method=method, budget=budget if budget is not None else 32, sampling=self.sp, max_new_tokens=n_new,
+                ids, method=method, budget=budget if budget is not None else DEFAULT_BUDGET, sampling=self.sp, max_new_tokens=n_new,
                 stop_ids=self.spec.stop_ids, seed=self.seed, top1_first=self.top1_first, prompt_id=pid,
                 decode_text=decode_text,
             )
@@ -359,7 +360,7 @@ class _Bench:
         warm = warmup_jobs(self.plan, self.encoded, warmup, self.max_new)
         timed = ([(m, b, p, ids, self.max_new) for p, ids in self.encoded for m, b in self.plan] if self.interleave
                  else [(m, b, p, ids, self.max_new) for m, b in self.plan for p, ids in self.encoded])
-        jobs = [dict(method=m, budget=b if b is not None else 32, prompt_ids=ids, prompt_id=p.id, max_new_tokens=n)
+        jobs = [dict(method=m, budget=b if b is not None else DEFAULT_BUDGET, prompt_ids=ids, prompt_id=p.id, max_new_tokens=n)
                 for m, b, p, ids, n in warm + timed]
         self.stage(f"running {len(jobs)} generations under tensor parallelism")
         logger.info(f"tensor parallel: {len(warm)} warm-up and {len(timed)} timed generations on one set of workers")

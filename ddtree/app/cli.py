@@ -32,6 +32,7 @@ from ddtree.app.streaming import Streamer
 from ddtree.app.textio import jsonl_record as _jsonl_record, partial_line as _partial_line, \
     print_jsonl as _print_jsonl, read_prompts as _read_prompts, run_label as _run_label, summary_line  # noqa: F401
 from ddtree.errors import DDTreeError
+from ddtree.options import DEFAULT_BUDGET
 
 OOM_MESSAGE = "out of GPU memory while {stage}: lower --max-length / --budget or add devices with --devices cuda:0,cuda:1"
 
@@ -339,7 +340,7 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
                 _set_stage(f"generating ({method})")
                 streamer = start(p, ids)
                 rec = loaded.decoder.generate(
-                    ids, method=method, budget=budget if budget is not None else 32, sampling=sp, max_new_tokens=max_new,
+                    ids, method=method, budget=budget if budget is not None else DEFAULT_BUDGET, sampling=sp, max_new_tokens=max_new,
                     stop_ids=spec.stop_ids, seed=opts["seed"], top1_first=bool(opts["top1_first"]), on_tokens=streamer,
                     prompt_id=p.id, decode_text=decode_text,
                 )
@@ -412,7 +413,7 @@ def _generate_tp(S, spec, opts: dict, method: str, budget, encoded: list, max_le
     """The prompts under tensor parallelism (ddtree.parallel.tp loads the shards once and spawns
     the ranks); rank 0's tokens stream here."""
     tp = S.tp_module()
-    args = dict(S.tp_args(spec, opts, max_len, int(opts["tp"])), method=method, budget=budget or 32)
+    args = dict(S.tp_args(spec, opts, max_len, int(opts["tp"])), method=method, budget=budget or DEFAULT_BUDGET)
     streamers: list = []
 
     def on_tokens(i, toks):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddtree.options import DEFAULT_BUDGET
+
 COMMANDS: tuple[str, ...] = ("generate", "bench", "plan", "plot", "selftest", "chat", "serve")
 GEN, BENCH, PLAN, PLOT, SELFTEST, CHAT, SERVE = COMMANDS
 MODEL = (GEN, BENCH)  # the commands that load a checkpoint pair for a prompt set
@@ -91,11 +93,11 @@ OPTIONS: tuple[Opt, ...] = (
         "tokens per millisecond (the chain, a best-first tree of 4, 8, 15, 32 or 64 nodes, or 0: a plain target step; "
         "drafter path probabilities times the acceptance seen so far, over each arm's whole-round wall time measured "
         "on this machine)",
-        default=32, metavar="N|auto", toml_types=(int,)),
+        default=DEFAULT_BUDGET, metavar="N|auto", toml_types=(int,)),
     Opt("methods", ("--methods",), str, (BENCH,), "Methods to compare, comma-separated (ar is added and runs first)",
         default="ar,dflash,ddtree", metavar="LIST", toml_types=(list,)),
     Opt("budgets", ("--budgets",), str, (BENCH,), "One ddtree run per budget, comma-separated; auto is a budget too (e.g. 8,16,auto)",
-        default="8,16,32,64", metavar="LIST", toml_types=(int, list)),
+        default="8,15,31,63", metavar="LIST", toml_types=(int, list)),
     Opt("prompts", ("--prompts", "-p"), str, MODEL,
         "Prompt set: a JSONL file (one object per line with \"prompt\" or chat \"messages\", optional \"id\"), a built-in "
         "suite (code, math, chat) or hf:DATASET[:SPLIT[:FIELD]] (needs the datasets package); generate takes it "

@@ -22,6 +22,7 @@ from ddtree.model import memory as mem
 from ddtree.model.config import DrafterConfig, TargetConfig, read_json
 from ddtree.model.placement import (EXACT_ROWS, ESTIMATE_ROWS, WEIGHT_ROWS, GiB, Split, Workload, gpu_of, graphs_on,
                                      place)
+from ddtree.options import DEFAULT_BUDGET
 
 #: the CUDA context per GPU, reserved when capacities are a card's total memory (not its free memory)
 CUDA_CONTEXT = GiB // 2
@@ -474,7 +475,7 @@ def plan_for_devices(target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None
 # ============================================================================================
 
 PLAN_DEFAULTS: dict[str, Any] = {"target": None, "drafter": None, "devices": None, "dtype": "bfloat16",
-                                 "max_length": None, "budget": 32}
+                                 "max_length": None, "budget": DEFAULT_BUDGET}
 
 
 def _verify_nodes(budget: Any, drafter: DrafterConfig | None) -> int:
@@ -512,7 +513,7 @@ def run_plan(opts: dict, gpu_memory: str | None = None, attention: str = "auto",
         raise DDTreeError(f"--max-length {max_length!r} must be a positive integer")
     if attention not in ("auto",) + mem.ATTENTION_PATHS:
         raise DDTreeError(f"unknown --attention {attention!r}: use auto, kernel, math or fused")
-    budget = _parse_budget(opts.get("budget", 32))
+    budget = _parse_budget(opts.get("budget", DEFAULT_BUDGET))
     if setup is not None:
         setup()
     t, d = read_configs(opts.get("target"), opts.get("drafter"))

@@ -13,6 +13,7 @@ from typing import Callable
 import typer
 
 from ddtree.app.setup import LENGTH_SLACK, check_devices, positive_int
+from ddtree.options import DEFAULT_BUDGET
 
 SELFTEST_LAYERS = ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",)
 
@@ -60,10 +61,10 @@ def _selftest(dev, n_new: int, stage: Callable[[str], None], options, compiled: 
     runs = [("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 32)]
     stage("decoding the selftest prompt")
     for method, budget in runs:  # warm-up (kernels, allocator)
-        decoder.generate(prompt, method=method, budget=budget or 32, max_new_tokens=min(8, n_new))
+        decoder.generate(prompt, method=method, budget=budget or DEFAULT_BUDGET, max_new_tokens=min(8, n_new))
     results = {}
     for method, budget in runs:
-        rec = decoder.generate(prompt, method=method, budget=budget or 32, max_new_tokens=n_new)
+        rec = decoder.generate(prompt, method=method, budget=budget or DEFAULT_BUDGET, max_new_tokens=n_new)
         results[(method, budget)] = rec
         a = aggregate([rec])
         label = method if budget is None else f"{method} {budget}"

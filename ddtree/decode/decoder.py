@@ -43,7 +43,7 @@ from ddtree.ops.dispatch import Kernels, resolve
 from ddtree.ops.tree import Tree, build_tree_device
 from ddtree.ops.tree_kernel import build_tree_kernel, tree_summary
 from ddtree.ops.walk import walk, walk_kernel
-from ddtree.options import Options
+from ddtree.options import DEFAULT_BUDGET, Options
 from ddtree.stats import GenerationRecord, RoundRecord
 
 from ddtree.decode.methods import METHODS  # defined without torch: the CLI checks --method before importing it
@@ -298,7 +298,7 @@ class Decoder:
 
     # ------------------------------------------------------------------ generate = prefill + decode
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], method: str = "ddtree", budget: int | str = 32,
+    def generate(self, prompt_ids: list[int], method: str = "ddtree", budget: int | str = DEFAULT_BUDGET,
                  sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
                  stop_ids: set[int] | frozenset = frozenset(), seed: int | None = 0, top1_first: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None, prompt_id: str = "",
@@ -311,7 +311,7 @@ class Decoder:
         rec.prompt_id, rec.text = prompt_id, decode_text(rec.token_ids) if decode_text else ""
         return rec
 
-    def job(self, method: str = "ddtree", budget: int | str = 32, sampling: SamplingParams = SamplingParams(),
+    def job(self, method: str = "ddtree", budget: int | str = DEFAULT_BUDGET, sampling: SamplingParams = SamplingParams(),
             max_new_tokens: int = 128, seed: int | None = 0, top1_first: bool = False, prompt_len: int = 1) -> Job:
         """Validate a generation's settings (one clear error each)."""
         if method not in METHODS:

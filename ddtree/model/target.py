@@ -209,8 +209,7 @@ class GatedDeltaNet(nn.Module):
 
     def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         """A tree's verify with the prologue in Triton (twin: the qkvgb path of forward): inside
-        the one-tile tree kernel (gdn_tree.gdn_tree_prologue), or for larger trees the blocked
-        recurrence with it in one launch (gdn_tree.gdn_tree_fused), or one kernel
+        the one-tile tree kernel (gdn_tree.gdn_tree_prologue), or for larger trees one kernel
         (gdn_tree.gdn_prologue) ahead of the blocked recurrence (gdn_tree_blocked)."""
         T, kn = x.shape[0], s.kernels
         proj, ext = self.project(x)
@@ -220,8 +219,6 @@ class GatedDeltaNet(nn.Module):
         if kn.tree(T, self.dk):
             o = gdn_tree.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask, scratch,
                                            kn.tree_precision)
-        elif kn.fused(T, self.dk):  # the blocked verify in one launch
-            o = gdn_tree.gdn_tree_fused(self, proj, ext, s.window, self.rec_state, s.path_mask, scratch, kn.tree_precision)
         else:
             o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(self, proj, ext, s.window), self.rec_state,
                                           s.path_mask, scratch, kn.tree_precision)

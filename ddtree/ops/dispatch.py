@@ -56,7 +56,6 @@ class Kernels:
     tree_precision: str = "ieee"
     tree_prologue: int = 0  # the GDN prologue in Triton for T <= this: inside the one-tile kernel, or one kernel ahead of the blocks
     tree_blocked: int = 0  # trees past that kernel's sizes, up to this many nodes: gdn_tree_blocked
-    tree_fused: int = 0  # ... of which trees up to this many nodes (with the Triton prologue) in one launch: gdn_tree_fused
     attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
     prefill_attention: str = "auto"  # ddtree.ops.attention.prefill_attention's backend (auto: math on CPU)
@@ -71,10 +70,6 @@ class Kernels:
         if T > self.tree_prologue:
             return False
         return self.blocked(T, dk) or (self.tree(T, dk) and T <= TREE_PROLOGUE_ONE_TILE_MAX_NODES)
-
-    def fused(self, T: int, dk: int) -> bool:
-        """The blocked verify with its prologue in one launch (gdn_tree.gdn_tree_fused)?"""
-        return T <= self.tree_fused and T <= self.tree_prologue and self.blocked(T, dk)
 
     def blocked(self, T: int, dk: int) -> bool:
         """The 16-node-block tree kernel (for trees the one-tile kernel does not take)?"""
@@ -101,7 +96,6 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
         tree_precision=triton_util.dot_precision(options.tree_precision, a),
         tree_prologue=options.tree_prologue if tri else 0,
         tree_blocked=TREE_BLOCKED_MAX_NODES if tri and options.tree_kernel != "off" else 0,
-        tree_fused=options.tree_fused if tri and options.tree_kernel != "off" else 0,
         attention=attention,
         fla=options.fla and dev.type == "cuda",
         prefill_attention=options.prefill_attention if dev.type == "cuda" else "auto",

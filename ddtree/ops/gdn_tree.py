@@ -331,81 +331,6 @@ def _gdn_tree_solve_kernel(
         tl.debug_barrier()  # block b's U is read back by every later block
 
 
-def _gdn_tree_fused_kernel(
-    ext, window, conv_w, proj, neg_a, dt_bias, S0, mask, o, kbuf, ubuf, cbuf,
-    s_pt, C, HV, s_ot, s_oh, s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
-    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
-    REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
-):
-    # The blocked verify in one launch: _gdn_prologue_kernel's rows, _gdn_tree_mats_kernel's
-    # matrices and _gdn_tree_solve_kernel's blocks, block by block in one program per (value head,
-    # block of BV value channels), each block's q / k / v / gates computed where they are used and
-    # its cross terms against the earlier blocks taken on the fly (their k and c read back from the
-    # commit scratch this program wrote: every program of a head writes the same values there).
-    # Nothing goes through memory between the pieces, and there is no wait between launches.
-    h = tl.program_id(0)
-    vb = tl.program_id(1)
-    f32 = tl.float32
-    NB: tl.constexpr = (T - ROOT + SB - 1) // SB
-    os_ = tl.arange(0, SB)
-    ok = tl.arange(0, BK)
-    ov = vb * BV + tl.arange(0, BV)
-    mk, mv = ok < DK, ov < DV
-    cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
-    ck, cv = KD + cq, 2 * KD + h * DV + ov
-    zb = C + HV * DV  # b, a after qkv and z
-    oa = tl.arange(0, BT)  # every node: the path mask's columns
-    ma = oa < T
-    g_all, b_all = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, oa, ma)  # [BT] (b_all unused)
-    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    c0 = 0.0
-    if ROOT:  # node 0 as one delta-rule step first (as _gdn_tree_solve_kernel): rows 1.. are whole blocks
-        r0 = os_ < 1
-        Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, os_, r0, mk, mv, DK, W)
-        g0, b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, os_, r0)
-        q0, k0, v0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0)  # row 0 of each
-        c0, b0 = tl.sum(g0, 0), tl.sum(b0, 0)
-        e0 = tl.exp(c0)
-        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
-        tl.store(o + h * s_oh + ov, e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0, mask=mv)
-        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
-        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk)
-        tl.store(cbuf + h * s_cbh, c0)
-        S = e0 * S + k0[:, None] * u0[None, :]
-    for b in range(NB):
-        rb = ROOT + b * SB + os_
-        mb = rb < T
-        mbk = mb[:, None] & mk[None, :]
-        mbv = mb[:, None] & mv[None, :]
-        Qb, Kb, Vb = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rb, mb, mk, mv, DK, W)
-        g_b, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rb, mb)  # (g_b: in c_b, through g_all)
-        on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
-        c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # [SB]: summed log-decay along each path
-        tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk)
-        tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb)
-        ec = tl.exp(c_b - c0)  # (ROOT: against S', the root's decay taken out)
-        R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
-        O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
-        for c in range(b):  # the earlier blocks' solved U, through the ancestor mask
-            rc = ROOT + c * SB + os_
-            Kc = tl.load(kbuf + h * s_kbh + rc[:, None] * s_kbt + ok[None, :], mask=mk[None, :], other=0.0)
-            c_c = tl.load(cbuf + h * s_cbh + rc)
-            Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
-            on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
-            dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
-            R -= tl.dot(bb[:, None] * dec * tl.dot(Kb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
-            O += tl.dot(dec * tl.dot(Qb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
-        on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
-        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
-        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
-        U = _squarings(A, R - tl.dot(A, R, input_precision=PREC), NSQ, PREC)  # (I + A)^-1 R
-        O += tl.dot(dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC), U, input_precision=PREC)
-        tl.store(o + rb[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mbv)
-        tl.store(ubuf + h * s_ubh + rb[:, None] * s_ubt + ov[None, :], U, mask=mbv)
-        tl.debug_barrier()  # block b's k, c and U are read back by every later block
-
-
 @eager
 def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None,
                      block: int | None = None, root: bool | None = None):
@@ -445,34 +370,6 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), num_warps=warps,
-        )
-    return o
-
-
-@eager
-def gdn_tree_fused(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
-                   precision: str = "ieee", tiles=None, block: int = 16, root: bool | None = None):
-    """gdn_prologue + gdn_tree_blocked in one kernel (_gdn_tree_fused_kernel): the tree verify of
-    GDN layer `layer` from its projection, by blocks of `block` nodes in order, the root folded
-    into the state first where that saves a block (fold_root) unless `root` says. Arguments as
-    gdn_tree_prologue; tiles: (BV, warps), default fused_tiles'. -> o [T, hv, dv] fp32, `out`
-    written as gdn_tree writes it. Twins: gdn_prologue + gdn_tree_blocked, and qkvgb + tree_wy
-    (tests/ops/test_gdn_kernels.py)."""
-    T = proj.shape[0]
-    ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
-    mask, o = _mask_and_output(path_mask, out, S0, T, hv, layer.dv)
-    kb, ub, cb = out
-    root = fold_root(T, block) if root is None else bool(root)
-    BV, warps = tiles or fused_tiles(layer.dv)
-    kern = _kernel(_gdn_tree_fused_kernel, interpret=not S0.is_cuda)
-    with _on_device_of(S0):
-        kern[(hv, triton.cdiv(layer.dv, BV))](
-            ext_, window_, w, proj_, neg_a, dt_bias, S0, mask, o, kb, ub, cb,
-            s_pt, C, hv, o.stride(0), o.stride(1), kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            T=T, DK=layer.dk, DV=layer.dv, BT=_tile(T), SB=block, BK=_tile(layer.dk), BV=BV,
-            NSQ=max(0, (min(max(T - root, 1), block) - 1).bit_length() - 1),
-            PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)), ROOT=int(root),
-            REP=rep, KD=kd, W=width, num_warps=warps,
         )
     return o
 
@@ -559,14 +456,6 @@ def blocked_tiles(block: int, dv: int) -> tuple[int, int]:
     return min(64 if block < HEAD_BLOCK else 32, _tile(dv)), 4
 
 
-def fused_tiles(dv: int) -> tuple[int, int]:
-    """(BV, warps) of gdn_tree_fused: 64 value channels, 8 warps. An H200 measured, dk = dv = 128,
-    17 nodes in one 16-node block with the root folded, from the projection: 29.7 us at BV 64 x 8
-    warps, 30.7 at 32 x 4, 50.3 at 64 x 4, 44.7 at 128 x 8 (one 64-node block: 101 us), against
-    31.8 us for gdn_prologue + gdn_tree_blocked (results/verify-fused-h200.json)."""
-    return min(64, _tile(dv)), 8
-
-
 def launch_tiles(T: int, dv: int) -> tuple[int, int]:
     """(BV value channels per program, warps) for a T-node tree."""
     return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4
@@ -620,4 +509,3 @@ if triton is not None:
     _kernel(_gdn_tree_mats_head_kernel, interpret=False)
     _kernel(_gdn_tree_solve_kernel, interpret=False)
     _kernel(_gdn_prologue_kernel, interpret=False)
-    _kernel(_gdn_tree_fused_kernel, interpret=False)

@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import FIXTURE_DIR, have_fixture, FIXTURE_REASON
+from ddtree.options import DEFAULT_BUDGET
 from ddtree.app.bench import format_table
 from ddtree.app.setup import parse_budgets, parse_methods
 from ddtree.app.cli import app
@@ -281,7 +282,7 @@ def test_auto_warms_up_on_every_prompt_then_forgets(monkeypatch, tmp_path, one_t
     lengths = {L for *_, L, _ in calls}
     assert len(lengths) == 3
     warm, timed = calls[:-9], calls[-9:]  # timed: ar, ddtree 8, auto x 3 prompts
-    for i, method in enumerate([("ar", 32), ("ddtree", 8), ("ddtree", "auto")]):  # each over every prompt
+    for i, method in enumerate([("ar", DEFAULT_BUDGET), ("ddtree", 8), ("ddtree", "auto")]):  # each over every prompt
         run = timed[3 * i: 3 * i + 3]
         assert {(m, b) for m, b, *_ in run} == {method} and {L for *_, L, n in run if n == n_new} == lengths, timed
     assert {L for m, b, L, n in warm if b == "auto" and n == n_new} == lengths  # auto: every prompt

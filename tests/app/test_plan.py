@@ -259,7 +259,7 @@ def test_cli_plan_for_gpus_elsewhere_takes_their_attention_without_triton_here(m
         monkeypatch.delenv(switch, raising=False)
     assert planmod.engine_attention() == "math"  # what this machine's own GPUs would take
     r = invoke("--target", models / "target", "--drafter", models / "drafter", "--gpu-memory", "2x48GiB",
-               "--max-length", 131072)
+               "--max-length", 131072, "--budget", 32)  # (a 33-node verify: the figure below)
     assert r.exit_code == 0, r.stdout + r.stderr
     head = r.stdout.splitlines()[1]
     assert head.startswith("verify / draft attention: the split-KV attention kernel"), head

@@ -256,38 +256,6 @@ def test_prologue_kernel_matches_qkvgb(cfg):
         ERR.note("prologue kernel mixer", assert_rel(layer._tree_fused(x, fused), layer.forward(x, s), 1e-5, f"T={T}"))
 
 
-@pytest.mark.parametrize("block,root", [(16, None), (16, False), (16, True), (64, None)])
-@pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_fused_tree_kernel_matches_prologue_and_tree_wy(cfg, block, root):
-    """The one-launch blocked verify (gdn_tree.gdn_tree_fused: prologue, matrices and blocks in one
-    kernel) against qkvgb + tree_wy on random trees of 2..65 nodes (stars, bushy, a chain across
-    block edges; with and without the root folded), random conv and recurrent states: outputs and
-    commit scratch in float32; and the whole mixer through it against the torch path."""
-    import dataclasses
-
-    from ddtree.ops.dispatch import resolve
-
-    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=3, device=DEV)
-    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
-    g_ = torch.Generator().manual_seed(8 + block)
-    fast = dataclasses.replace(resolve(FAST, DEV), tree_max_nodes=0, tree_fused=65)
-    for T in (2, 9, 17, 32, 33, 50, 65):  # 9: a star; 32: a chain across a block edge
-        mask, x, s = _random_tree_step(model, layer, T, g_, {9: "star", 32: "chain"}.get(T, "random"))
-        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
-        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
-        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
-        got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
-        o = gdn_tree.gdn_tree_fused(layer, layer.in_proj(x), ext.clone(), s.window, layer.rec_state, mask, got,
-                                    block=block, root=root)
-        ERR.note("fused tree kernel", assert_rel(o, o_ref, 1e-5, f"T={T}"))
-        for a_, b_ in zip(got, scratch):
-            ERR.note("fused tree kernel scratch", assert_rel(a_, b_, 1e-5, f"T={T}"))
-        if block == 16 and root is None:  # the layer's own path to it
-            assert fast.fused(T, layer.dk)
-            ERR.note("fused tree kernel mixer",
-                     assert_rel(layer._tree_fused(x, dataclasses.replace(s, kernels=fast)), layer.forward(x, s), 1e-5, f"T={T}"))
-
-
 @pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
 def test_decoding_through_the_prologue_kernel_equals_torch_path(monkeypatch, method, budget):
     """Whole decoders with every tree verify's GDN layer in the prologue kernel (tree_prologue up

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ddtree.app.serve.engine import Engine, Result, Work, new_id
 from ddtree.app.serve.protocol import ApiError, ChatRequest, CompletionRequest, error_body, validation_error
 from ddtree.errors import DDTreeError
+from ddtree.options import DEFAULT_BUDGET
 
 #: the largest request body taken (a 128K-token conversation is well under it)
 MAX_BODY = 8 * 1024 * 1024
@@ -203,7 +204,7 @@ def create_app(engine: Engine, metrics, model_id: str, api_key: str | None) -> G
         except DDTreeError:
             raise ApiError(400, f"the {what} encodes to no tokens: send a non-empty {what}", param=what,
                            code="invalid_value") from None
-        job = engine.job(method, budget if method == "ddtree" else 32, sampling, max_new, seed, top1_first, len(ids))
+        job = engine.job(method, budget if method == "ddtree" else DEFAULT_BUDGET, sampling, max_new, seed, top1_first, len(ids))
         return Work(id=new_id("chatcmpl" if messages is not None else "cmpl"), ids=ids, messages=messages, text=text,
                     thinking=thinking, method=method, budget=budget if method == "ddtree" else None, job=job,
                     stops=body.stops(), want_ids=bool(d is not None and d.record), loop=asyncio.get_running_loop(),
