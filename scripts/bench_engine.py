@@ -111,6 +111,16 @@ def profile_kernels(fn, reps: int = 3, top: int = 30) -> dict:
             "top": [{"name": n[:120], "count": c / reps, "us": us / reps} for n, (c, us) in kernels]}
 
 
+def profile_decode(run, units) -> dict:
+    """profile_kernels of one decode (run() -> its GenerationRecord), every figure divided by
+    units(record): per round or per step."""
+    recs = []
+    p = profile_kernels(lambda: recs.append(run()), reps=1)
+    n = units(recs[-1])
+    return {"us_by_category": {c: us / n for c, us in p["us_by_category"].items()}, "kernel_us": p["kernel_us"] / n,
+            "launches": p["launches"] / n, "top": [dict(x, us=x["us"] / n, count=x["count"] / n) for x in p["top"]]}
+
+
 def random_tree(T: int, vocab: int, depth: int = 15, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     k = max(T - 1, 1)
@@ -215,19 +225,11 @@ def measure_context(dec: Decoder, L: int, sizes, budgets, gen_tokens: int, cfg: 
             "outside_forwards_ms": round_ms - verify - r["draft_ms"],
         }
         if profile:  # one decode's kernels, per round
-            rec_box = []
-            p = profile_kernels(lambda: rec_box.append(decode(method, b, gen_tokens)), reps=1)
-            n = len(rec_box[-1].rounds)
-            r["rounds"][f"{method}:{b}"]["profile_per_round"] = {
-                "us_by_category": {c: us / n for c, us in p["us_by_category"].items()}, "kernel_us": p["kernel_us"] / n,
-                "launches": p["launches"] / n, "top": [dict(x, us=x["us"] / n, count=x["count"] / n) for x in p["top"]]}
+            r["rounds"][f"{method}:{b}"]["profile_per_round"] = profile_decode(
+                lambda: decode(method, b, gen_tokens), lambda rec: len(rec.rounds))
     if profile:  # the AR step's kernels, per step
-        rec_box = []
-        p = profile_kernels(lambda: rec_box.append(decode("ar", 1, gen_tokens)), reps=1)
-        n = max(rec_box[-1].new_tokens - 1, 1)
-        r["ar_profile_per_step"] = {"us_by_category": {c: us / n for c, us in p["us_by_category"].items()},
-                                    "kernel_us": p["kernel_us"] / n, "launches": p["launches"] / n,
-                                    "top": [dict(x, us=x["us"] / n, count=x["count"] / n) for x in p["top"]]}
+        r["ar_profile_per_step"] = profile_decode(lambda: decode("ar", 1, gen_tokens),
+                                                  lambda rec: max(rec.new_tokens - 1, 1))
     restore_state(saved)
     return r
 

@@ -79,6 +79,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # bench_engine, also where this is imported as scripts.bench_serve
 
 from ddtree.decode.conversation import Conversation  # noqa: E402
 from ddtree.decode.decoder import Decoder  # noqa: E402
@@ -87,6 +88,8 @@ from ddtree.decode.startup import freeze_heap  # noqa: E402
 from ddtree.model.presets import PRESETS  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config, tiny_hybrid_config  # noqa: E402
 from ddtree.options import Options  # noqa: E402
+
+from bench_engine import git_commit  # noqa: E402
 FIXTURE = Path(os.environ.get("DDTREE_FIXTURE") or REPO.parent / "shared" / "fixtures" / "codepair")
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -332,16 +335,6 @@ def run_load(server: Server, clients: int, requests: int, rows: list[dict], refs
     }
 
 
-def git_commit() -> str:
-    if os.environ.get("DDTREE_COMMIT"):  # a copy of the tree without its git history
-        return os.environ["DDTREE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 
 def part_load(args) -> int:
     fixture = Path(args.fixture)
@@ -465,7 +458,6 @@ class InProcess:
     def __init__(self, target, drafter, dtype, devices, max_len: int, method: str, budget, new_tokens: int):
         import socket
 
-        import torch
         import uvicorn
 
         from ddtree.app.options import defaults
@@ -473,8 +465,6 @@ class InProcess:
         from ddtree.app.serve.engine import Engine
         from ddtree.app.serve.metrics import Metrics
         from ddtree.app.setup import ModelSpec
-        from ddtree.decode.decoder import Decoder
-        from ddtree.options import Options
 
         spec = ModelSpec(target_ref="random", target_dir=REPO, target_cfg=target.cfg, drafter_ref="random",
                          drafter_dir=None, drafter_cfg=drafter.cfg if drafter is not None else None,
@@ -560,6 +550,20 @@ class InProcess:
         self.engine.join(30)
 
 
+def random_pair_configs(args, tiny_eos: bool):
+    """The random pair the random and chat parts build: --tiny's tiny hybrid in float32 on the
+    CPU (without an end-of-sequence token unless tiny_eos), else --preset's full shapes in bf16 on
+    cuda:0; --devices overrides the device. -> (devices, dtype, target config, drafter config, name)."""
+    devices = (args.devices or ("cpu" if args.tiny else "cuda:0")).split(",")
+    if not args.tiny:
+        mk_t, mk_d = PRESETS[args.preset]
+        return devices, torch.bfloat16, mk_t(), mk_d(), args.preset
+    raw_t = tiny_hybrid_config(vocab=97)
+    if not tiny_eos:  # (a random model's replies run to their length)
+        raw_t["text_config"].pop("eos_token_id", None)
+    return devices, torch.float32, raw_t, tiny_drafter_config(raw_t), "tiny-hybrid"
+
+
 def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
     import random
 
@@ -569,24 +573,11 @@ def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
 
 def part_random(args) -> dict:
     import httpx
-    import torch
 
     from ddtree.app.cli import setup_logging
-    from ddtree.model.presets import PRESETS
-    from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config, tiny_hybrid_config
 
     setup_logging(False)
-    devices = (args.devices or ("cpu" if args.tiny else "cuda:0")).split(",")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    if args.tiny:
-        raw_t = tiny_hybrid_config(vocab=97)
-        raw_t["text_config"].pop("eos_token_id", None)
-        raw_d = tiny_drafter_config(raw_t)
-        name = "tiny-hybrid"
-    else:
-        mk_t, mk_d = PRESETS[args.preset]
-        raw_t, raw_d = mk_t(), mk_d()
-        name = args.preset
+    devices, dtype, raw_t, raw_d, name = random_pair_configs(args, tiny_eos=False)
     system = args.system_tokens if args.chat else 0
     max_len = max(args.prompt_tokens, system + 2 * (args.turn_tokens + args.reply_tokens)) + args.new_tokens + 1024
     t0 = time.perf_counter()
@@ -640,7 +631,6 @@ def chat_turns(srv: InProcess, client, args, vocab: int, budget) -> dict:
     """Two turns of a conversation with a long system prompt, each through the server (--passes
     times, a fresh conversation each); the second turn's client TTFT against the same number of
     tokens prefilled alone (median of 3, through the path the turn took)."""
-    from ddtree.decode.sampling import SamplingParams
 
     system = ids_text(rand_ids(args.system_tokens, vocab, 1))
     knobs = {"method": "ddtree", "budget": budget}
@@ -789,16 +779,7 @@ def part_chat(args) -> None:
         if getattr(args, k) is None:
             setattr(args, k, v)
     budget = args.budget if args.budget == "auto" else int(args.budget)
-    devices = (args.devices or ("cpu" if args.tiny else "cuda:0")).split(",")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    if args.tiny:
-        raw_t = tiny_hybrid_config(vocab=97)
-        raw_d = tiny_drafter_config(raw_t)
-        name = "tiny-hybrid"
-    else:
-        mk_t, mk_d = PRESETS[args.preset]
-        raw_t, raw_d = mk_t(), mk_d()
-        name = args.preset
+    devices, dtype, raw_t, raw_d, name = random_pair_configs(args, tiny_eos=True)
     max_len = args.system_tokens + (args.turns + 1) * (args.turn_tokens + args.reply_tokens) + args.decode_tokens + 1024
     t0 = time.perf_counter()
     target, drafter = build_random_on_devices(raw_t, raw_d, devices, dtype, max_len)

@@ -119,17 +119,33 @@ def gdn_layer(tc: dict, seed: int = 0):
     return model
 
 
-def _noted(into: set, fn):
-    """fn, added to `into` (the paths timed from the projection)."""
-    into.add(fn)
-    return fn
-
-
 def random_parents(T: int, seed: int) -> list[int]:
     """A ddtree-like tree: a spine with branches off random earlier nodes."""
     g = torch.Generator().manual_seed(seed)
     return [-1] + [i - 1 if torch.rand((), generator=g) < 0.6 else int(torch.randint(0, i, (), generator=g))
                    for i in range(1, T)]
+
+
+def tree_case(model, layer, tc: dict, T: int):
+    """One verify of a random T-node tree through the GDN layer: (mask, step, x, (q, k, v, g, beta)
+    from the torch prologue, the commit scratch, S0, tree_wy's output: the reference)."""
+    parents = torch.tensor(random_parents(T, T), device=DEV)
+    mask = ancestor_mask_from_parents(parents.tolist()).to(DEV)
+    step = model.make_step(torch.arange(T, device=DEV) + 100, mask, parents, torch.tensor(100, device=DEV), 100 + T)
+    x = torch.randn(T, tc["hidden_size"], device=DEV, dtype=torch.bfloat16)
+    q, k, v, g, beta, _, _ = layer.qkvgb(x, step)
+    kb, ub, cb = layer.wy_bufs
+    ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask)
+    return mask, step, x, (q, k, v, g, beta), (kb[:, :T], ub[:, :T], cb[:, :T]), layer.rec_state, ref
+
+
+def blocked_prologue_path(layer, x, step, S0, mask, scratch, prec):
+    """The engine's path past one tile, from the projection: the prologue kernel, then the blocks
+    (fold_root's rule). -> a function of no arguments running it."""
+    def run():
+        pj, ex = layer.project(x)
+        return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, pj, ex, step.window), S0, mask, scratch, prec)
+    return run
 
 
 def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save) -> None:
@@ -141,20 +157,9 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
     layer = model.layers[0].linear_attn
     prec = resolve(Options(), DEV).tree_precision
     for T in nodes:
-        parents = torch.tensor(random_parents(T, T), device=DEV)
-        mask = ancestor_mask_from_parents(parents.tolist()).to(DEV)
-        step = model.make_step(torch.arange(T, device=DEV) + 100, mask, parents, torch.tensor(100, device=DEV), 100 + T)
-        x = torch.randn(T, tc["hidden_size"], device=DEV, dtype=torch.bfloat16)
-        q, k, v, g, beta, _, _ = layer.qkvgb(x, step)
-        kb, ub, cb = layer.wy_bufs
-        scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
-        S0 = layer.rec_state
-        ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask)
+        mask, step, x, _, scratch, S0, ref = tree_case(model, layer, tc, T)
         proj_ms = graph_ms(lambda: layer.project(x))
-
-        def blocked():
-            pj, ex = layer.project(x)
-            return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, pj, ex, step.window), S0, mask, scratch, prec)
+        blocked = blocked_prologue_path(layer, x, step, S0, mask, scratch, prec)
 
         def one(t=None):
             pj, ex = layer.project(x)
@@ -183,17 +188,8 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
     layer = model.layers[0].linear_attn
     base = resolve(Options(), DEV)
     for T in nodes:
-        parents = torch.tensor(random_parents(T, T), device=DEV)
-        mask = ancestor_mask_from_parents(parents.tolist()).to(DEV)
-        step = model.make_step(torch.arange(T, device=DEV) + 100, mask, parents, torch.tensor(100, device=DEV),
-                               100 + T)
-        x = torch.randn(T, tc["hidden_size"], device=DEV, dtype=torch.bfloat16)
-        q, k, v, g, beta, _, _ = layer.qkvgb(x, step)
-        kb, ub, cb = layer.wy_bufs
-        scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
-        S0 = layer.rec_state
+        mask, step, x, (q, k, v, g, beta), scratch, S0, ref = tree_case(model, layer, tc, T)
         prec = base.tree_precision
-        ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask)
 
         def err(o):
             return ((o.float() - ref).norm() / ref.norm()).item()
@@ -210,9 +206,7 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
             pj, ex = layer.project(x)
             return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
-        def blocked_prologue():  # the engine's blocked path: the prologue kernel, then the blocks (fold_root's rule)
-            pj, ex = layer.project(x)
-            return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, pj, ex, step.window), S0, mask, scratch, prec)
+        blocked_prologue = blocked_prologue_path(layer, x, step, S0, mask, scratch, prec)
 
         with_proj = {blocked_prologue}
         proj_ms = graph_ms(lambda: layer.project(x))

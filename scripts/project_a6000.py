@@ -181,9 +181,10 @@ def predict(p: dict, name: str, ctx: int, copy_src: float, copy: float, by: Byte
     return p["gemm_ms"] * copy_src / copy + by.other(name, ctx) / (copy * 1e9) * 1e3 + p["fixed_ms"]
 
 
-def checks(src: tuple[Path, dict], docs: list[tuple[Path, dict]], by: Bytes) -> list[dict]:
+def checks(src: tuple[Path, dict], src_parts: dict, docs: list[tuple[Path, dict]], by: Bytes) -> list[dict]:
     """Predictions against measurements: each profiled file's split against its own other contexts
-    ("same run"), and the source's split against every other file at every context ("source")."""
+    ("same run"), and the source's split (src_parts) against every other file at every context
+    ("source")."""
     rows = []
 
     def row(kind, path, doc, L, name, u, pred):
@@ -201,31 +202,27 @@ def checks(src: tuple[Path, dict], docs: list[tuple[Path, dict]], by: Bytes) -> 
                             row("same run", path, doc, int(key), name, u,
                                 predict(parts[name], name, int(key), doc["copy_GBps"], doc["copy_GBps"], by))
         if doc is not src[1]:
-            l0, parts = splits_of(src[1], by)
             for key, r in doc["main"]["contexts"].items():
                 for name, u in units(r).items():
-                    if name in parts:
+                    if name in src_parts:
                         row("source", path, doc, int(key), name, u,
-                            predict(parts[name], name, int(key), src[1]["copy_GBps"], doc["copy_GBps"], by))
+                            predict(src_parts[name], name, int(key), src[1]["copy_GBps"], doc["copy_GBps"], by))
     return rows
 
 
-def fits(docs: list[tuple[Path, dict]], src: tuple[Path, dict], l0: int, parts: dict, by: Bytes) -> list[dict]:
+def fits(docs: list[tuple[Path, dict]], src: tuple[Path, dict], l0: int, parts: dict) -> list[dict]:
     """t = bytes / (bandwidth x e) + c per unit across the source and each input of another copy
-    bandwidth (5% apart or more) at l0, beside the profile's split."""
-    path0, doc0 = src
+    bandwidth (5% apart or more) at l0, beside the profile's split (parts: the source's units at l0)."""
+    doc0 = src[1]
     rows = []
-    u0 = units(doc0["main"]["contexts"][str(l0)] if str(l0) in doc0["main"]["contexts"] else doc0["main"]["contexts"][l0])
     for path, doc in docs:
-        if abs(doc["copy_GBps"] / doc0["copy_GBps"] - 1) < 0.05:
-            continue
-        r = doc["main"]["contexts"].get(str(l0)) or doc["main"]["contexts"].get(l0)
-        if r is None:
+        r = doc["main"]["contexts"].get(str(l0))  # (JSON keys: the contexts as strings)
+        if r is None or abs(doc["copy_GBps"] / doc0["copy_GBps"] - 1) < 0.05:
             continue
         for name, u in units(r).items():
-            if name not in u0 or name not in parts:
+            if name not in parts:
                 continue
-            f = fit_two_cards(u0[name]["ms"], doc0["copy_GBps"], u["ms"], doc["copy_GBps"])
+            f = fit_two_cards(parts[name]["ms"], doc0["copy_GBps"], u["ms"], doc["copy_GBps"])
             rows.append({"with": path.name, "card": card_of(doc), "commit": doc.get("commit"), "unit": name,
                          "fit_bandwidth_ms": f["bandwidth_ms_1"], "fit_fixed_ms": f["fixed_ms"],
                          "profile_bandwidth_ms": parts[name]["bandwidth_ms"], "profile_fixed_ms": parts[name]["fixed_ms"]})
@@ -274,7 +271,7 @@ def main(argv=None):
     for n in names:
         p = parts[n]
         print(f"  {n:10s} {p['ms']:7.2f} {p['gemm_ms']:7.2f} {p['other_ms']:7.2f} {p['bandwidth_ms']:8.2f} {p['fixed_ms']:6.2f}")
-    chk = checks(src, docs, by)
+    chk = checks(src, parts, docs, by)
     if chk:
         print("== the model checked: predicted / measured - 1 (same run: a file's own split at its profiled context; "
               "source: the split above)")
@@ -285,7 +282,7 @@ def main(argv=None):
             errs = [abs(c["error"]) for c in chk if c["from"] == kind]
             if errs:
                 print(f"  {kind}: largest error {100 * max(errs):.1f}%, median {100 * sorted(errs)[len(errs) // 2]:.1f}%")
-    fit = fits(docs, src, l0, parts, by)
+    fit = fits(docs, src, l0, parts)
     if fit:
         print(f"== t = bytes / (bandwidth x e) + c across two cards at {l0 // 1024}K, beside the profile's split (ms on the {card})")
         for f in fit:
