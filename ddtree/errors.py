@@ -22,3 +22,8 @@ class DDTreeError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+class TooLongError(DDTreeError):
+    """A generation that would pass the state's --max-length (Decoder.job): chat and serve answer
+    it in their own words."""

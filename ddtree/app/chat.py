@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from loguru import logger
 
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, TooLongError
 
 #: --max-length when none is given: the model's positions, at most this many
 CHAT_MAX_LENGTH = 32768
@@ -159,9 +159,7 @@ class Chat:
         try:
             job = self.dec.job(self.method, self.budget, self.sampling, self.max_new, self.opts["seed"],
                                bool(self.opts["top1_first"]), len(ids))
-        except DDTreeError as e:
-            if "exceeds the maximum length" not in str(e):
-                raise
+        except TooLongError:
             raise DDTreeError(f"this message does not fit: the conversation would be {len(ids)} tokens, and with "
                               f"--max-new-tokens {self.max_new} it passes --max-length {self.dec.max_len}; the "
                               "conversation is kept (/save it, /reset, or restart with a larger --max-length)") from None

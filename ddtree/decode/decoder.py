@@ -36,7 +36,7 @@ from ddtree.decode.reference import Draft, host_tree, run_host_rounds
 from ddtree.decode.round import AHEAD_MARGIN, Pipeline
 from ddtree.decode.sampling import SamplingParams, choose
 from ddtree.decode.startup import StartupClock
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, TooLongError
 from ddtree.model.drafter import DFlashDrafter
 from ddtree.model.target import TargetModel
 from ddtree.ops.dispatch import Kernels, resolve
@@ -329,7 +329,7 @@ class Decoder:
         n_max = {"ar": 1, "dflash": depth + 1, "ddtree": budget + 1}[method]
         P = 1 if method == "ar" else depth + 1  # path length buffers: fixed per method
         if prompt_len + max_new_tokens + max(n_max, P) > self.max_len:
-            raise DDTreeError(
+            raise TooLongError(
                 f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} + tree ({n_max}) exceeds "
                 f"the maximum length {self.max_len}: raise --max-length or shorten the prompt"
             )

@@ -32,7 +32,7 @@ from typing import Any, Callable
 from loguru import logger
 
 from ddtree.app.serve.protocol import ApiError
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, TooLongError
 
 #: the warm-up's conversation: a first turn, its settle, a second turn (the paths requests take)
 WARMUP = ("Hello", "Thank you")
@@ -220,11 +220,11 @@ class Engine:
         """Decoder.job, with its length error in a request's words (ApiError 400)."""
         try:
             return self.dec.job(method, budget, sampling, max_new, seed, top1_first, n_prompt)
-        except DDTreeError as e:
-            if "exceeds the maximum length" in str(e):
-                raise ApiError(400, f"the prompt ({n_prompt} tokens) + max_tokens {max_new} + the draft tree "
+        except TooLongError:
+            raise ApiError(400, f"the prompt ({n_prompt} tokens) + max_tokens {max_new} + the draft tree "
                                f"exceeds the server's --max-length {self.max_len}: lower max_tokens or shorten the "
                                "prompt", param="max_tokens", code="context_length_exceeded") from None
+        except DDTreeError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
 
     # ================================================================ the engine thread
