@@ -87,7 +87,7 @@ from ddtree.decode.sampling import SamplingParams  # noqa: E402
 from ddtree.decode.startup import freeze_heap  # noqa: E402
 from ddtree.model.presets import PRESETS  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices, tiny_drafter_config, tiny_hybrid_config  # noqa: E402
-from ddtree.options import Options  # noqa: E402
+from ddtree.options import DEFAULT_BUDGET, Options  # noqa: E402
 
 from bench_engine import git_commit  # noqa: E402
 FIXTURE = Path(os.environ.get("DDTREE_FIXTURE") or REPO.parent / "shared" / "fixtures" / "codepair")
@@ -599,11 +599,11 @@ def part_random(args) -> dict:
             for ids in prompts:  # warm-up: every prompt through both paths (bench warms the same lengths up)
                 for _ in range(args.warmup):
                     srv.request(client, "/v1/completions", body(ids))
-                    srv.generate(ids, method, b or 32, args.new_tokens)
+                    srv.generate(ids, method, b or DEFAULT_BUDGET, args.new_tokens)
             rows = []
             for i, ids in enumerate(prompts):
                 s = srv.request(client, "/v1/completions", body(ids))
-                g = srv.generate(ids, method, b or 32, args.new_tokens)
+                g = srv.generate(ids, method, b or DEFAULT_BUDGET, args.new_tokens)
                 s["same_tokens"] = s.pop("text").split() == [str(t) for t in g.token_ids]
                 s.update(prompt=i, generate_decode_tok_s=g.decode_tok_s, generate_ttft_s=g.ttft_s,
                          ratio_engine=s["engine_decode_tok_s"] / g.decode_tok_s,
@@ -886,7 +886,7 @@ def main() -> int:
         p.add_argument("--prompts", type=int, default=4)
         p.add_argument("--prompt-tokens", type=int, default=512)
         p.add_argument("--new-tokens", type=int, default=256)
-        p.add_argument("--budget", default="32")
+        p.add_argument("--budget", default=str(DEFAULT_BUDGET))
         p.add_argument("--warmup", type=int, default=1)
         p.add_argument("--chat", action="store_true")
         p.add_argument("--system-tokens", type=int, default=16384)
@@ -904,7 +904,7 @@ def main() -> int:
     ch.add_argument("--reply-tokens", type=int, default=None, help="reply tokens per turn; default 64 (--tiny: 8)")
     ch.add_argument("--decode-tokens", type=int, default=None, help="the long reply's tokens; default 256 (--tiny: 16)")
     ch.add_argument("--method", default="ddtree")
-    ch.add_argument("--budget", default="32")
+    ch.add_argument("--budget", default=str(DEFAULT_BUDGET))
     ch.add_argument("--reps", type=int, default=2, help="repetitions of the decode-rate pair")
     ch.add_argument("--passes", type=int, default=3, help="runs of the whole conversation (a turn's chat TTFT: their median)")
     ch.add_argument("--out", default="results/chat.json")
