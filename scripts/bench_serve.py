@@ -418,7 +418,10 @@ def part_oneoff(args) -> dict:
         doc["same_text"] = all(r["stdout"] == doc["in_process"][0]["stdout"] for r in doc["through_server"])
     for key in ("in_process", "through_server"):
         for r in doc.get(key, []):
-            print(f"{key:>14}: first token {r['first_token_s']:.3f} s, command {r['command_s']:.3f} s (exit {r['rc']})")
+            first = "none" if r["first_token_s"] is None else f"{r['first_token_s']:.3f} s"
+            print(f"{key:>14}: first token {first}, command {r['command_s']:.3f} s (exit {r['rc']})")
+            if r["rc"]:
+                print("\n".join(r["stderr"][-5:]))
     return doc
 
 
@@ -925,7 +928,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
-    return 0
+    runs = [r for key in ("in_process", "through_server") for r in doc.get("oneoff", {}).get(key, [])]
+    return int(any(r["rc"] for r in runs) or doc.get("oneoff", {}).get("same_text") is False)
 
 
 if __name__ == "__main__":
