@@ -414,6 +414,7 @@ def part_oneoff(args) -> dict:
                                                 *gen], env) for _ in range(args.runs)]
     finally:
         doc["server_exit"] = server.stop()
+        doc["server_log"] = [ln.rstrip() for ln in server.lines[-80:]]  # where its start-up went
     if args.baseline:
         doc["same_text"] = all(r["stdout"] == doc["in_process"][0]["stdout"] for r in doc["through_server"])
     for key in ("in_process", "through_server"):

@@ -276,11 +276,12 @@ class Engine:
         t0 = time.perf_counter()
         self._warm_up()
         warm = time.perf_counter() - t0
-        self.startup = dict(clock.to_dict(), warmup_s=round(warm, 4),
+        self.startup = dict(clock.to_dict(), warmup_s=round(warm, 4), warmup_steps=self.warmup_steps,
                             ready_s=round(time.perf_counter() - self.t_entry + self.age, 4))
         parts = clock.line().split(": ", 1)[1]
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in self.warmup_steps.items())
         logger.info(f"ready {self.startup['ready_s']:.1f} s after the command: {parts} (the warm-up's "
-                    f"{warm:.1f} s holds its compile, capture and prefill)")
+                    f"{warm:.1f} s holds its compile, capture and prefill: {steps} s)")
         self.stage("serving")
 
     def _warm_up(self) -> None:
@@ -291,7 +292,9 @@ class Engine:
 
         msgs: list[dict] = []
         n = int(self.opts["max_new_tokens"])
-        for text in WARMUP:
+        self.warmup_steps: dict[str, float] = {}  # seconds per turn and settle: where a slow start went
+        for i, text in enumerate(WARMUP, 1):
+            t0 = time.perf_counter()
             msgs.append({"role": "user", "content": text})
             ids = self.encode_chat(msgs, bool(self.opts["thinking"]))
             job = self.dec.job(self.method, self.budget, sampling_params(self.opts), n, self.opts["seed"],
@@ -299,7 +302,9 @@ class Engine:
             rec = self.conv.turn(ids, job, self.spec.stop_ids)
             msgs.append({"role": "assistant", "content": self.spec.tokenizer.decode(rec.token_ids, skip_special_tokens=True)})
             self.chat.messages, self.chat.thinking = msgs, bool(self.opts["thinking"])
+            t1 = time.perf_counter()
             self.conv.settle(self.chat._shared(msgs), taps=self.method != "ar")
+            self.warmup_steps.update({f"turn {i}": t1 - t0, f"settle {i}": time.perf_counter() - t1})
         self.conv.reset()
         freeze_heap(self.dec.graphs)
 
