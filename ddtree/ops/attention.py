@@ -126,20 +126,20 @@ class Tiles:
 
 # Per (GPU generation, head dim): (most query rows, tile) pairs; a call takes the first pair whose
 # bound covers its rows = T * G (node x query head rows per KV head), its bm capped by the rows.
-# Hopper, D = 256: measured by `scripts/bench_attention.py --only-tiles --tile-ctx 131072 32768`
-# (results/tiles-h200.json.gz) over 16 tiles and 1-3 programs per SM: 4 warps at bm 64 beat 8
+# Hopper, D = 256: measured by `scripts/bench_attention.py` (e462150) `--only-tiles --tile-ctx 131072 32768`
+# (082b8a3:results/tiles-h200.json.gz) over 16 tiles and 1-3 programs per SM: 4 warps at bm 64 beat 8
 # (T = 16 at 32K: 0.086 against 0.20 ms), bm 128 with 8 warps wins at 64 nodes (T = 64 at 128K:
 # 0.50 against 0.65 ms), and bn 32 beats 64 and 128 everywhere (D = 256 tiles are big).
 # Long reads (_LONG_TABLE, kv_len above LONG_READ_KEYS) favour one 128-row tile over two 64-row
-# ones when both pad to the same rows (results/tiles-long-h200.json.gz, 128K, one program per SM):
+# ones when both pad to the same rows (082b8a3:results/tiles-long-h200.json.gz, 128K, one program per SM):
 # T = 16 / 17 (96 / 102 rows) 0.222 / 0.223 against 0.245 / 0.283 ms, T = 33 (198 rows: a
 # 32-node budget with its root) 0.362 against 0.518 ms; where 64-row tiles fit the rows exactly
 # they still win (T = 32, 192 rows: 0.333 against 0.357 ms). Just past 64K the 128-row tile wins
 # at T = 17 / 33 (0.137 / 0.203 against 0.157 / 0.273 ms) and ties at T = 16 (0.140 both;
-# results/tiles-switch-h200.json). Between 16K and 64K (_MID_TABLE) it wins only at T = 33
+# 082b8a3:results/tiles-switch-h200.json). Between 16K and 64K (_MID_TABLE) it wins only at T = 33
 # (0.079 / 0.120 against 0.088 / 0.149 ms at 16.6K / 33K reads), ties at T = 17 and loses at
 # T = 16 and 32 (33K: 0.099 against 0.086, 0.116 against 0.101); at 8K it loses by 3% at T = 33
-# (results/tiles-short-h200.json).
+# (082b8a3:results/tiles-short-h200.json).
 # The others: from ptxas reports of this kernel for sm_90 and sm_86 (no register spills; shared
 # memory in the comments). A tile whose shared-memory estimate exceeds the device's per-block
 # limit (Hopper 227 KB, A100 163 KB, sm_86/89 99 KB), or that Triton reports OutOfResources for,
@@ -158,11 +158,11 @@ MID_READ_KEYS = 16384  # kv_len above this (and up to LONG_READ_KEYS) reads with
 _MID_TABLE = {  # a 33-node tree (198 rows): one 128-row tile (at 16.6K / 33K reads 0.079 / 0.120 against 0.088 / 0.149 ms)
     ("hopper", 256): [(16, Tiles(16, 32, 4, 4)), (192, Tiles(64, 32, 4, 3)), (_ANY, Tiles(128, 32, 8, 3))],
     # the drafter's full layer (a 16-row block x 4 query heads a KV head = 64 rows): 64-key tiles,
-    # 3 stages, at 32K 0.052 ms against 0.075 for _TABLE's (64, 128, 8, 2) (results/verify-drafter-h200.json)
+    # 3 stages, at 32K 0.052 ms against 0.075 for _TABLE's (64, 128, 8, 2) (082b8a3:results/verify-drafter-h200.json)
     ("hopper", 128): [(16, Tiles(16, 64, 4, 3)), (32, Tiles(32, 64, 8, 3)), (64, Tiles(64, 64, 4, 3)), (_ANY, Tiles(64, 128, 8, 2))],
 }
 LONG_READ_KEYS = 65536  # kv_len above this reads with _LONG_TABLE where it has the head dim
-_LONG_TABLE = {  # an AR step (6 rows) at 128K: 64-key tiles 0.141 ms a layer against 0.154 for 32 (results/verify-merge-h200.json)
+_LONG_TABLE = {  # an AR step (6 rows) at 128K: 64-key tiles 0.141 ms a layer against 0.154 for 32 (082b8a3:results/verify-merge-h200.json)
     ("hopper", 256): [(16, Tiles(16, 64, 4, 3)), (64, Tiles(64, 32, 4, 3)), (128, Tiles(128, 32, 8, 3)),
                       (192, Tiles(64, 32, 4, 3)), (_ANY, Tiles(128, 32, 8, 3))],
     # the drafter's full layer at 128K: 0.144 ms against 0.224 (88% of copy against 57%)
@@ -551,7 +551,7 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     16-row programs, "auto" last where its m-tiles are no wider than the merge kernel's programs
     (an AR step: one launch less, 0.157 against 0.164 ms a layer at 128K), else the kernel (a
     tree's 64- or 128-row tiles merge serially: a 16-node verify at 1K 0.025 against 0.018 ms;
-    results/verify-merge-h200.json). Kernel, too, in a graph capture that would have to
+    082b8a3:results/verify-merge-h200.json). Kernel, too, in a graph capture that would have to
     allocate the counters.
     -> o [T, H, D] in q's dtype (fp32 accumulation)."""
     T, H, D = q.shape
@@ -668,7 +668,7 @@ PREFILL_BACKENDS = ("auto", "flash", "cudnn", "triton", "efficient", "math")
 # auto's order of the fused kernels for a chunk of T queries at prefix `start`: cuDNN first only
 # where its speed pays for building its graph, which torch's SDPA does for every new shape (every
 # new prefix length). An H200 measured cuDNN at twice FA2's TFLOP/s at D = 256 (4096-token chunks:
-# 0.36 against 0.75 ms a layer at prefix 0, 5.7 against 11.1 at 32K; results/attention-h200.json),
+# 0.36 against 0.75 ms a layer at prefix 0, 5.7 against 11.1 at 32K; 082b8a3:results/attention-h200.json),
 # and a chat turn's 200-token prefill over a new prefix of 17-18K about 45 ms above the same
 # prefill over a prefix length seen before (results/chat-h200.json: turns 3-8 against turn 2),
 # which is what cuDNN saves on 16 such layers at T (start + T/2) of about 2^26 (a 200-token chunk at

@@ -105,7 +105,7 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
 
 def _fused_prefix(options: Options, dev: torch.device, a) -> bool:
     """cuDNN's attention for a verify's long committed prefix: auto on Hopper and later (measured
-    there: results/verify-paths-h200.json), on for any CUDA GPU (cuDNN refusing a shape falls back
+    there: 082b8a3:results/verify-paths-h200.json), on for any CUDA GPU (cuDNN refusing a shape falls back
     to the split-KV kernel alone), off."""
     if options.verify_fused == "off" or dev.type != "cuda":
         return False

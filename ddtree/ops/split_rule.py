@@ -7,7 +7,7 @@ from __future__ import annotations
 # A split's range covers at least MIN_SPLIT_KEYS keys of the bound it is sized from (the caller's
 # kv_len: a power of two at most twice the keys read, so >= 256 keys are read) and one key per
 # query row. At a 1K context (kv_len 2048) that is 4 ranges for every tree of 16 to 65 nodes,
-# measured best there (results/verify-paths-h200.json: a 64-node verify's attention 0.029 ms a
+# measured best there (082b8a3:results/verify-paths-h200.json: a 64-node verify's attention 0.029 ms a
 # layer with 4 ranges against 0.051 ms unsplit; 4 keys a row, the rule before, left it unsplit).
 MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 128
@@ -30,14 +30,14 @@ def num_splits(read_len: int, rows: int, kv_heads: int, bm: int, sms: int, per_s
 # The fused prefix (cuDNN's attention, ddtree.ops.attention): the committed prefix [0, B) as S
 # equal ranges of C keys run as one batched call, each KV head's T * G query rows one query block.
 # cuDNN's rows come in tiles of FUSED_TILE_ROWS; S fills one wave of programs (S x KV heads x row
-# tiles <= SMs), measured best (results/verify-paths-h200.json, 128K: 17 nodes S = 32 0.131 ms
+# tiles <= SMs), measured best (082b8a3:results/verify-paths-h200.json, 128K: 17 nodes S = 32 0.131 ms
 # against S = 16 0.183; 33 nodes S = 16 0.226 against S = 32 0.243).
 FUSED_TILE_ROWS = 128
 # Query rows per KV head (T * G) below which the split-KV kernel reads the whole prefix. An AR
 # step (6 rows) gains nothing: at 128K cuDNN's batched call alone takes its prefix in 0.128 ms a
 # layer (`git show 7b04cc0:results/verify-paths-ar-h200.json`), but with the remainder's kernel
 # and the merge the whole call takes 0.162 against 0.141 for the split-KV kernel merging in its
-# last split (results/verify-merge-h200.json).
+# last split (082b8a3:results/verify-merge-h200.json).
 FUSED_MIN_ROWS = 64
 FUSED_MIN_KEYS = 16384  # a fused prefix shorter than this is left to the split-KV kernel
 FUSED_MIN_RANGE = 1024  # keys per range at least
