@@ -105,14 +105,15 @@ def drafter_decoders():
 
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_greedy_ddtree_equals_ar_with_every_drafter(fixture_dir, drafter_decoders, prompts, ar_outputs, name):
-    """Greedy ddtree at budgets 8 / 32 / 64 (the device pipeline) and dflash give ar's tokens with each
-    of the fixture's drafters; the deeper trees accept at least as much as the chain does."""
+    """Greedy ddtree at budgets 8 / 15 / 16 / 31 / 32 / 64 (verifies on both sides of 16 and 32 nodes;
+    the device pipeline) and dflash give ar's tokens with each of the fixture's drafters; the
+    deeper trees accept at least as much as the chain does."""
     if not (fixture_dir / name / "config.json").is_file():
         pytest.skip(f"{fixture_dir / name} not found")
     dec = drafter_decoders(name)
     stop = set(dec.target.cfg.eos_token_ids)
     per_round = {}
-    for method, budget in (("dflash", 1), ("ddtree", 8), ("ddtree", 32), ("ddtree", 64)):
+    for method, budget in (("dflash", 1), *(("ddtree", b) for b in (8, 15, 16, 31, 32, 64))):
         committed = rounds = 0
         for pid, ids in prompts:
             rec = dec.generate(ids, method, budget=budget, max_new_tokens=NEW, stop_ids=stop)
