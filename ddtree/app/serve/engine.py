@@ -276,7 +276,7 @@ class Engine:
         t0 = time.perf_counter()
         self._warm_up()
         warm = time.perf_counter() - t0
-        self.startup = dict(clock.to_dict(), warmup_s=round(warm, 4), warmup_steps=self.warmup_steps,
+        self.startup = dict(clock.to_dict(), warmup_s=round(warm, 4),
                             ready_s=round(time.perf_counter() - self.t_entry + self.age, 4))
         parts = clock.line().split(": ", 1)[1]
         steps = ", ".join(f"{k} {v:.1f}" for k, v in self.warmup_steps.items())
