@@ -128,20 +128,24 @@ def random_tree(T: int, vocab: int, depth: int = 15, seed: int = 0):
     return build_tree(5, lp.values, lp.indices, T - 1)
 
 
-def save_state(dec: Decoder, upto: int):
-    """Copies of everything a decode changes in rows [0, upto): committed length, GDN states,
-    K/V, the drafter's context (restore with `restore_state`: each measurement starts from the
-    same prefilled state)."""
+def save_state(dec: Decoder, upto: int, margin: int = 1024):
+    """Copies of everything a decode from the current state changes: committed length, GDN
+    states, and the K/V rows from just below the committed length (the target's and the
+    drafter's context, less `margin`) to `upto`: a decode writes only past them, so the prefix
+    is not copied (at 128K a copy of it would double the cache: 10.7 GiB of the 27B shapes).
+    Restore with `restore_state`: each measurement starts from the same prefilled state."""
     t = dec.target
     tensors = [dec.start_d]
     for g in t.gdn_groups.values():
         tensors += [g.state, g.conv]
+    lo = max(0, int(dec.start_d) - margin)
     for kc, vc in t.kv_stacks.values():
-        tensors += [kc[:, :upto], vc[:, :upto]]
+        tensors += [kc[:, lo:upto], vc[:, lo:upto]]
     if dec.drafter is not None:
         tensors.append(dec.drafter.ctx_len)
+        lo_d = max(0, int(dec.drafter.ctx_len) - margin)
         for layer in dec.drafter.layers:
-            tensors += [layer.self_attn.k_cache[:upto], layer.self_attn.v_cache[:upto]]
+            tensors += [layer.self_attn.k_cache[lo_d:upto], layer.self_attn.v_cache[lo_d:upto]]
     return [(x, x.clone()) for x in tensors]
 
 
