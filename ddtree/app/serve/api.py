@@ -1,6 +1,6 @@
 """The HTTP side of `ddtree serve`: a FastAPI app (uvicorn serves it) speaking OpenAI's API.
 
-    POST /v1/chat/completions, POST /v1/completions   (stream: server-sent events, data: [DONE] last)
+    POST /v1/chat/completions, POST /v1/completions   (stream: server-sent events through sse-starlette, data: [DONE] last)
     GET  /v1/models, /health (503 until the models are ready), /metrics (Prometheus text)
 
 Every error is OpenAI's shape, {"error": {"message", "type", "param", "code"}}: FastAPI's
@@ -18,7 +18,9 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -108,6 +110,9 @@ class Guard:
 
 def create_app(engine: Engine, metrics, model_id: str, api_key: str | None) -> Guard:
     """The ASGI app of the server: Guard around FastAPI."""
+    # A signal ends a stream through the engine (an error event, then [DONE]; server.py), not by
+    # sse-starlette cancelling it the moment uvicorn starts to stop.
+    AppStatus.disable_automatic_graceful_drain()
     app = FastAPI(title="ddtree serve", docs_url=None, redoc_url=None)
     created = int(time.time())
 
@@ -212,10 +217,9 @@ def create_app(engine: Engine, metrics, model_id: str, api_key: str | None) -> G
 
     async def _answer(w: Work, body, request: Request, kind: str):
         engine.submit(w)
+        if body.stream:  # (EventSourceResponse watches for the client leaving: _stream's finally cancels)
+            return EventSourceResponse(_stream(w, body, kind), sep="\n")
         watcher = asyncio.create_task(_watch(request, w))
-        if body.stream:
-            return StreamingResponse(_stream(w, body, kind, watcher), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             text, result = "", None
             while True:
@@ -229,14 +233,14 @@ def create_app(engine: Engine, metrics, model_id: str, api_key: str | None) -> G
                     break
         finally:
             watcher.cancel()
-        if result is None or (result.finish == "cancelled" and w.why == "shutdown"):
-            raise ApiError(503, "the server is shutting down: the generation was stopped", type="server_error",
-                           code="shutting_down")
+        if _stopped(w, result):
+            raise ApiError(503, STOPPED, type="server_error", code="shutting_down")
         return _completion(w, kind, result, model_id)
 
-    async def _stream(w: Work, body, kind: str, watcher):
-        created_at = int(time.time())
+    async def _stream(w: Work, body, kind: str):
         usage_field = body.include_usage()
+        head = {"id": w.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": model_id}
 
         def chunk(delta: str | None, finish: str | None = None, ids=None, role: bool = False) -> str:
             if kind == "chat":
@@ -246,8 +250,7 @@ def create_app(engine: Engine, metrics, model_id: str, api_key: str | None) -> G
                 choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
             if w.want_ids:  # (the client counts tokens and the prompt's, as generate does)
                 choice.update(token_ids=ids or [], prompt_tokens=len(w.ids))
-            obj = {"id": w.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                   "created": created_at, "model": model_id, "choices": [choice]}
+            obj = dict(head, choices=[choice])
             if usage_field:
                 obj["usage"] = None
             return _sse(obj)
@@ -264,29 +267,31 @@ def create_app(engine: Engine, metrics, model_id: str, api_key: str | None) -> G
                     yield _sse(ev[1].body())
                     break
                 result: Result | None = ev[1]
-                if result is None or (result.finish == "cancelled" and w.why == "shutdown"):
-                    yield _sse(error_body("the server is shutting down: the generation was stopped",
-                                          type="server_error", code="shutting_down"))
+                if _stopped(w, result):
+                    yield _sse(error_body(STOPPED, type="server_error", code="shutting_down"))
                     break
                 yield chunk(None, finish=result.finish)
                 if usage_field:
-                    obj = {"id": w.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                           "created": created_at, "model": model_id, "choices": [], "usage": result.usage}
-                    yield _sse(obj)
+                    yield _sse(dict(head, choices=[], usage=result.usage))
                 break
-            yield "data: [DONE]\n\n"
+            yield "[DONE]"
         finally:
-            watcher.cancel()
-            if not w.cancel.is_set():
-                w.why = w.why or "disconnected"
-                w.cancel.set()  # (nothing to do once it finished)
+            w.stop("disconnected")  # (nothing to do once it finished)
 
     return Guard(app, api_key, metrics)
 
 
+STOPPED = "the server is shutting down: the generation was stopped"
+
+
+def _stopped(w: Work, result: Result | None) -> bool:
+    """Whether the server's shutdown ended the generation (no result, or one cut short by it)."""
+    return result is None or (result.finish == "cancelled" and w.why == "shutdown")
+
+
 def _sse(obj: dict) -> str:
-    """One server-sent event: a data line of compact JSON (no newline inside), then a blank line."""
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    """One server-sent event's data: compact JSON (no newline inside)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 def _unknown_model(name: str, model_id: str) -> ApiError:
@@ -299,9 +304,7 @@ async def _watch(request: Request, w: Work) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            if not w.cancel.is_set():
-                w.why = w.why or "disconnected"
-                w.cancel.set()
+            w.stop("disconnected")
             return
 
 

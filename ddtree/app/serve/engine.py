@@ -59,6 +59,12 @@ class Work:
     t_arrive: float = field(default_factory=time.perf_counter)
     t_start: float | None = None
 
+    def stop(self, why: str) -> None:
+        """End the generation after its round in flight (a no-op once it was stopped)."""
+        if not self.cancel.is_set():
+            self.why = self.why or why
+            self.cancel.set()
+
     def emit(self, *event) -> None:
         """("delta", text, ids | None), ("done", Result | None), ("error", ApiError), to the handler."""
         try:
@@ -195,8 +201,7 @@ class Engine:
                                          type="server_error", code="shutting_down"))
             self.metrics.waiting.set(0)
             if self.current is not None:
-                self.current.why = self.current.why or "shutdown"
-                self.current.cancel.set()
+                self.current.stop("shutdown")
             self._cv.notify_all()
 
     def join(self, timeout: float) -> None:
@@ -274,25 +279,26 @@ class Engine:
         self.conv = self.chat.conv
         self.stage("warming up")
         t0 = time.perf_counter()
-        self._warm_up()
+        steps = self._warm_up()
         warm = time.perf_counter() - t0
         self.startup = dict(clock.to_dict(), warmup_s=round(warm, 4),
                             ready_s=round(time.perf_counter() - self.t_entry + self.age, 4))
         parts = clock.line().split(": ", 1)[1]
-        steps = ", ".join(f"{k} {v:.1f}" for k, v in self.warmup_steps.items())
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in steps.items())
         logger.info(f"ready {self.startup['ready_s']:.1f} s after the command: {parts} (the warm-up's "
                     f"{warm:.1f} s holds its compile, capture and prefill: {steps} s)")
         self.stage("serving")
 
-    def _warm_up(self) -> None:
+    def _warm_up(self) -> dict[str, float]:
         """Compile and capture what requests use: a conversation of two turns with the default
-        method, its settles between them; then the state is cleared."""
+        method, its settles between them; then the state is cleared. -> seconds per turn and
+        settle (where a slow start went)."""
         from ddtree.app.setup import sampling_params
         from ddtree.decode.startup import freeze_heap
 
         msgs: list[dict] = []
         n = int(self.opts["max_new_tokens"])
-        self.warmup_steps: dict[str, float] = {}  # seconds per turn and settle: where a slow start went
+        steps: dict[str, float] = {}
         for i, text in enumerate(WARMUP, 1):
             t0 = time.perf_counter()
             msgs.append({"role": "user", "content": text})
@@ -304,9 +310,10 @@ class Engine:
             self.chat.messages, self.chat.thinking = msgs, bool(self.opts["thinking"])
             t1 = time.perf_counter()
             self.conv.settle(self.chat._shared(msgs), taps=self.method != "ar")
-            self.warmup_steps.update({f"turn {i}": t1 - t0, f"settle {i}": time.perf_counter() - t1})
+            steps.update({f"turn {i}": t1 - t0, f"settle {i}": time.perf_counter() - t1})
         self.conv.reset()
         freeze_heap(self.dec.graphs)
+        return steps
 
     def _serve(self, w: Work) -> None:
         w.t_start = time.perf_counter()
@@ -338,10 +345,7 @@ class Engine:
         rec = conv.turn(w.ids, w.job, self.spec.stop_ids, out, marks=(head,), pin=(head,))
         reuse = conv.last
         text, finish = out.close(rec, self.spec.stop_ids, w.job.max_new_tokens)
-        if finish == "cancelled":
-            finish_label = f"cancelled ({w.why or 'cancelled'})"
-        else:
-            finish_label = finish
+        finish_label = f"cancelled ({w.why or 'cancelled'})" if finish == "cancelled" else finish
         rec.text, rec.prompt_id = text, w.id
         self._last = (w, text)
         a = aggregate([rec])
@@ -373,8 +377,8 @@ class Engine:
         opts = dict(self.opts, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=w.job.seed,
                     max_new_tokens=w.job.max_new_tokens, thinking=w.thinking)
         return model_metadata(self.spec, opts, method=w.method, budget=w.budget if w.method == "ddtree" else None,
-                              max_length=self.max_len, top1_first=w.job.top1_first, startup=self.startup, **{
-                                  k: v for k, v in self.paths.items()})
+                              max_length=self.max_len, top1_first=w.job.top1_first, startup=self.startup,
+                              **self.paths)
 
     def _settle(self) -> None:
         """Bring the kept state to what the next turn of the last request shares (see the module docstring)."""
