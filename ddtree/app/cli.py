@@ -29,8 +29,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from ddtree.app.options import BY_NAME, defaults, options_for
 from ddtree.app.streaming import Streamer
-from ddtree.app.textio import jsonl_record as _jsonl_record, partial_line as _partial_line, \
-    print_jsonl as _print_jsonl, read_prompts as _read_prompts, run_label as _run_label, summary_line  # noqa: F401
+from ddtree.app.textio import jsonl_record, partial_line, print_jsonl, read_prompts, run_label, summary_line
 from ddtree.errors import DDTreeError
 from ddtree.options import DEFAULT_BUDGET
 
@@ -239,8 +238,6 @@ def _command(name: str, body: Callable[..., Any], doc: str) -> None:
 # ============================================================================================
 
 
-
-
 def _warn_generate(opts: dict, given: frozenset, method: str, prompt: Optional[str]) -> None:
     from ddtree.app.setup import warn_ignored
 
@@ -278,7 +275,7 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
     t_entry, age = time.perf_counter(), process_age_s() or 0.0  # the start-up line counts from the command
     method, budget, tp, stats_path = _check_generate(S, opts)  # every check that needs no torch, first
     prompts_spec = opts["prompts"] if prompt is None else None
-    prompts = _read_prompts(prompt, prompts_spec, opts["limit"])
+    prompts = read_prompts(prompt, prompts_spec, opts["limit"])
     _warn_generate(opts, given, method, prompt)
 
     # ---- configs and tokenizer, then the weights
@@ -291,7 +288,7 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
                              what="prompt" if len(encoded) == 1 else "the longest prompt")
     for p, ids in encoded:
         logger.debug(f"{p.label}: {len(ids)} tokens")
-    label = _run_label(method, budget)
+    label = run_label(method, budget)
     jsonl = bool(opts["jsonl"])
     if len(encoded) > 1 and not jsonl:
         logger.info(f"{len(encoded)} prompts: their texts follow one another on stdout, each ending with a newline "
@@ -308,7 +305,7 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
         current.clear()
         streamer.finish()
         if jsonl:
-            _print_jsonl(_jsonl_record(p, rec))
+            print_jsonl(jsonl_record(p, rec))
         records.append(rec)
         tag = label if len(encoded) == 1 else f"{p.id} ({label})"
         print(summary_line(rec, tag), file=sys.stderr, flush=True)
@@ -364,8 +361,8 @@ def _keep_interrupted(S, spec, opts: dict, method: str, budget, records: list, m
     if cut is not None:
         current["streamer"].finish()
         if bool(opts["jsonl"]):
-            _print_jsonl(_jsonl_record(cut, None, current["streamer"], current["n"]))
-        print(_partial_line(cut, current["n"], current["streamer"], label), file=sys.stderr, flush=True)
+            print_jsonl(jsonl_record(cut, None, current["streamer"], current["n"]))
+        print(partial_line(cut, current["n"], current["streamer"], label), file=sys.stderr, flush=True)
     if stats_path is not None:
         if records:
             doc = _generate_document(S, spec, opts, method, budget, records, max_len, paths,

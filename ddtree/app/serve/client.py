@@ -91,8 +91,8 @@ class Remote:
                                   "pass the URL that 'ddtree serve' prints") from None
         return self._card
 
-    def stream(self, path: str, body: dict, on_text: Callable[[str, list], None]) -> dict:
-        """POST a streamed request; on_text(text, token ids) per chunk. -> the usage of the reply."""
+    def stream(self, path: str, body: dict, on_text: Callable[[str, list, int | None], None]) -> dict:
+        """POST a streamed request; on_text(text, token ids, prompt tokens) per chunk. -> the usage of the reply."""
         usage = None
         try:
             with connect_sse(self.http, "POST", path, json=body) as source:
@@ -171,8 +171,9 @@ def request_fields(command: str, opts: dict, given: frozenset) -> dict:
             body[field] = opts[name]
     knobs = {k: opts[k] for k in ("method", "budget", "top1_first") if set_(k)}
     if "budget" in knobs:
-        b = str(knobs["budget"]).strip().lower()
-        knobs["budget"] = b if b == "auto" else int(b)
+        from ddtree.app.setup import parse_budget
+
+        knobs["budget"] = parse_budget(knobs["budget"])
     body["ddtree"] = dict(knobs, record=True)
     if set_("thinking"):
         body["chat_template_kwargs"] = {"enable_thinking": bool(opts["thinking"])}
