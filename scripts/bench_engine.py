@@ -128,17 +128,18 @@ def random_tree(T: int, vocab: int, depth: int = 15, seed: int = 0):
     return build_tree(5, lp.values, lp.indices, T - 1)
 
 
-def save_state(dec: Decoder, upto: int, margin: int = 1024):
-    """Copies of everything a decode from the current state changes: committed length, GDN
-    states, and the K/V rows from just below the committed length (the target's and the
-    drafter's context, less `margin`) to `upto`: a decode writes only past them, so the prefix
-    is not copied (at 128K a copy of it would double the cache: 10.7 GiB of the 27B shapes).
-    Restore with `restore_state`: each measurement starts from the same prefilled state."""
+def save_state(dec: Decoder, start: int, upto: int, margin: int = 1024):
+    """Copies of everything a decode from `start` committed tokens changes: committed length, GDN
+    states, and the K/V rows from just below the committed lengths (the target's `start`, the
+    drafter's context; less `margin`) to `upto`: a decode writes only past them, so the prefix is
+    not copied (at 128K a copy of it would double the cache: 10.7 GiB of the 27B shapes). Restore
+    with `restore_state`: each measurement starts from the same prefilled state. (A piece's own
+    window at capture: ddtree.decode.graphs.mutable_state.)"""
     t = dec.target
     tensors = [dec.start_d]
     for g in t.gdn_groups.values():
         tensors += [g.state, g.conv]
-    lo = max(0, int(dec.start_d) - margin)
+    lo = max(0, start - margin)
     for kc, vc in t.kv_stacks.values():
         tensors += [kc[:, lo:upto], vc[:, lo:upto]]
     if dec.drafter is not None:
@@ -178,7 +179,7 @@ def measure_context(dec: Decoder, L: int, sizes, budgets, gen_tokens: int, cfg: 
     r["prefill_tok_s"] = L / pre.ttft_s
     r["prefill_chunk"] = dec.target.prefill_chunk()
     r["peak_prefill_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    saved = save_state(dec, min(L + 2048, dec.max_len))
+    saved = save_state(dec, L, min(L + 2048, dec.max_len))
 
     def decode(method: str, budget: int, n: int):
         restore_state(saved)
