@@ -331,50 +331,26 @@ def _gdn_tree_solve_kernel(
         tl.debug_barrier()  # block b's U is read back by every later block
 
 
-def _conv_rows(ext, window, conv_w, C, ch, mch, rows, mrow, W: tl.constexpr):
-    """One channel set of the prologue's convolution for tree nodes `rows`: each node's window of
-    conv inputs by the depthwise conv, SiLU rounded to the model dtype (as _qkv_rows). -> [R, BC]
-    fp32, 0 on invalid rows. One set at a time keeps few tiles live."""
-    f32 = tl.float32
-    m = mrow[:, None] & mch[None, :]
-    acc = tl.zeros([rows.shape[0], ch.shape[0]], dtype=f32)
-    for j in tl.static_range(0, W):
-        row = tl.load(window + rows * W + j, mask=mrow, other=0)
-        acc += tl.load(conv_w + j * C + ch, mask=mch, other=0.0)[None, :] * \
-            tl.load(ext + row[:, None] * C + ch[None, :], mask=m, other=0.0).to(f32)
-    return (acc / (1.0 + tl.exp(-acc))).to(ext.dtype.element_ty, fp_downcast_rounding="rtne").to(f32)
-
-
-def _l2_rows(X, scale):
-    """Rows of X over their l2 norms (as gdn.l2norm_qk), times scale."""
-    return X / tl.sqrt(tl.sum(X * X, 1) + 1e-6)[:, None] * scale
-
-
 def _gdn_tree_layer_kernel(
-    ext, window, conv_w, proj, neg_a, dt_bias, S0, mask, o, kbuf, ubuf, cbuf, qbuf,
-    s_pt, C, HV, s_ot, s_oh, s_kbh, s_kbt, s_ubh, s_ubt, s_cbh, s_qbh, s_qbt,
+    ext, window, conv_w, proj, neg_a, dt_bias, S0, mask, o, kbuf, ubuf, cbuf,
+    s_pt, C, HV, s_ot, s_oh, s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, DC: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr,
     REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
 ):
     # A tree verify's whole GDN mixer between the projections in one launch: one program per
-    # (value head, block of BV value channels). The root (node 0, an ancestor of every node) is
-    # one delta-rule step first; then the nodes after it in blocks of SB, in order: each block's
-    # prologue (conv + SiLU, norms, gates) from the projection, its terms against the state, the
-    # root and the earlier blocks, its in-block solve by squarings, its output. A tree of SB m + 1
-    # nodes is m blocks, so 17 / 33 / 65 nodes cost what 16 / 32 / 64 do.
-    # Registers decide the speed: a tf32x3 product splits both operands in two, and an [SB, DK]
-    # operand is copied to every warp, so the products over the key width run in chunks of DC
-    # channels read back from scratch (the block's q and k rows, written once per block; the
-    # state; the earlier blocks' k), and the root's step enters each block as a rank-one term
-    # instead of an updated state. Every program writes the head's q, k and c rows (the same
-    # values), so none waits on another.
+    # (value head, block of BV value channels). The root (an ancestor of every node) is one
+    # delta-rule step first, S' = e^g0 S + k0 u0^T; then the nodes after it in blocks of SB, in
+    # order: each block's prologue (conv + SiLU, norms, gates) from the projection, its cross
+    # terms against the earlier blocks (their k, c and U read back from the commit scratch this
+    # program wrote), its in-block solve by squarings, its output. A tree of SB m + 1 nodes is m
+    # blocks, so 17 / 33 / 65 nodes cost what 16 / 32 / 64 do. Every program writes the head's k
+    # and c scratch rows (the same values), so none waits on another.
     h = tl.program_id(0)
     vb = tl.program_id(1)
     NB: tl.constexpr = (T - 1 + SB - 1) // SB
     ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)
-    od = tl.arange(0, DC)
     mk, mv = ok < DK, ov < DV
     cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
     ck = KD + cq
@@ -382,82 +358,52 @@ def _gdn_tree_layer_kernel(
     zb = C + HV * DV  # the projection's b, a columns
     oa = tl.arange(0, BT)
     ma = oa < T
-    g_all = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, oa, ma)[0]  # [BT]
-    qscale = 1.0 / tl.sqrt(DK * 1.0)
-    s_h = S0 + h * DK * DV
-    # ---- the root: a tile with only row 0 live, summed down to vectors
+    g_all, _ = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, oa, ma)  # [BT]
+    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    # ---- the root: rows of a tile with only row 0 live, summed down to vectors
     os_ = tl.arange(0, SB)
     m0 = os_ < 1
-    k0 = tl.sum(_l2_rows(_conv_rows(ext, window, conv_w, C, ck, mk, os_, m0, W), 1.0), 0)  # [BK]
-    q0 = tl.sum(_l2_rows(_conv_rows(ext, window, conv_w, C, cq, mk, os_, m0, W), qscale), 0)
-    v0 = tl.sum(_conv_rows(ext, window, conv_w, C, cv, mv, os_, m0, W), 0)  # [BV]
+    Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, os_, m0, mk, mv, DK, W)
     gr, br = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, os_, m0)
+    q0, k0, v0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0)
     c0 = tl.sum(gr, 0)
     e0 = tl.exp(c0)
-    S = tl.load(s_h + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
     u0 = tl.sum(br, 0) * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
     tl.store(o + h * s_oh + ov, e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0, mask=mv)
     tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
     tl.store(kbuf + h * s_kbh + ok, k0, mask=mk)
     tl.store(cbuf + h * s_cbh, c0)
-    for b in range(NB):  # (a loop, not unrolled: unrolled blocks spill)
+    S = e0 * S + k0[:, None] * u0[None, :]
+    for b in tl.static_range(NB):
         rb = 1 + b * SB + os_
         mb = rb < T
+        Qb, Kb, Vb = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rb, mb, mk, mv, DK, W)
+        _, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rb, mb)
         on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
         c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # summed log-decay along each path (root included)
-        Kb = _l2_rows(_conv_rows(ext, window, conv_w, C, ck, mk, rb, mb, W), 1.0)  # [SB, BK]
-        kk0 = tl.sum(Kb * k0[None, :], 1)  # [SB]: against the root
         tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mb[:, None] & mk[None, :])
-        Qb = _l2_rows(_conv_rows(ext, window, conv_w, C, cq, mk, rb, mb, W), qscale)
-        qk0 = tl.sum(Qb * k0[None, :], 1)
-        tl.store(qbuf + h * s_qbh + rb[:, None] * s_qbt + ok[None, :], Qb, mask=mb[:, None] & mk[None, :])
         tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb)
-        tl.debug_barrier()  # the block's q and k rows, read back in chunks
-        QS = tl.zeros([SB, BV], dtype=tl.float32)
-        KS = tl.zeros([SB, BV], dtype=tl.float32)
-        QK = tl.zeros([SB, SB], dtype=tl.float32)
-        KK = tl.zeros([SB, SB], dtype=tl.float32)
-        for d in range(0, BK, DC):
-            md = (d + od) < DK
-            mbd = mb[:, None] & md[None, :]
-            Qd = tl.load(qbuf + h * s_qbh + rb[:, None] * s_qbt + d + od[None, :], mask=mbd, other=0.0)  # [SB, DC]
-            Kd = tl.load(kbuf + h * s_kbh + rb[:, None] * s_kbt + d + od[None, :], mask=mbd, other=0.0)
-            Sd = tl.load(s_h + (d + od)[:, None] * DV + ov[None, :], mask=md[:, None] & mv[None, :], other=0.0)  # [DC, BV]
-            QS += tl.dot(Qd, Sd, input_precision=PREC)
-            KS += tl.dot(Kd, Sd, input_precision=PREC)
-            QK += tl.dot(Qd, tl.trans(Kd), input_precision=PREC)
-            KK += tl.dot(Kd, tl.trans(Kd), input_precision=PREC)
-        e_b = tl.exp(c_b)[:, None]  # against the state
-        r_b = tl.exp(c_b - c0)  # against the root
-        bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rb, mb)[1]
-        O = e_b * QS + (r_b * qk0)[:, None] * u0[None, :]
-        R = bb[:, None] * (_conv_rows(ext, window, conv_w, C, cv, mv, rb, mb, W) - e_b * KS - (r_b * kk0)[:, None] * u0[None, :])
-        for c in range(b):  # the earlier blocks, solved: their k, c and U from the scratch
+        ec = tl.exp(c_b - c0)  # against S', the root's decay taken out
+        R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
+        O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
+        for c in tl.static_range(b):  # the earlier blocks, solved: their k, c and U from the scratch
             rc = 1 + c * SB + os_
-            QKc = tl.zeros([SB, SB], dtype=tl.float32)
-            KKc = tl.zeros([SB, SB], dtype=tl.float32)
-            for d in range(0, BK, DC):
-                md = (d + od) < DK
-                mbd = mb[:, None] & md[None, :]
-                Kcd = tl.load(kbuf + h * s_kbh + rc[:, None] * s_kbt + d + od[None, :], mask=md[None, :], other=0.0)  # [SB, DC]
-                QKc += tl.dot(tl.load(qbuf + h * s_qbh + rb[:, None] * s_qbt + d + od[None, :], mask=mbd, other=0.0),
-                              tl.trans(Kcd), input_precision=PREC)
-                KKc += tl.dot(tl.load(kbuf + h * s_kbh + rb[:, None] * s_kbt + d + od[None, :], mask=mbd, other=0.0),
-                              tl.trans(Kcd), input_precision=PREC)
+            Kc = tl.load(kbuf + h * s_kbh + rc[:, None] * s_kbt + ok[None, :], mask=mk[None, :], other=0.0)
+            c_c = tl.load(cbuf + h * s_cbh + rc)
             Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
-            on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0
-            d_bc = tl.exp(tl.where(on_bc, c_b[:, None] - tl.load(cbuf + h * s_cbh + rc)[None, :], float("-inf")))
-            O += tl.dot(d_bc * QKc, Uc, input_precision=PREC)
-            R -= tl.dot(bb[:, None] * d_bc * KKc, Uc, input_precision=PREC)
+            on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None] & (rc < T)[None, :], other=0) != 0
+            dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
+            R -= tl.dot(bb[:, None] * dec * tl.dot(Kb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
+            O += tl.dot(dec * tl.dot(Qb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
         on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
-        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))  # masked before exp
-        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * KK, 0.0)  # strictly lower: ancestors only
+        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
+        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
         U = _squarings(A, R - tl.dot(A, R, input_precision=PREC), NSQ, PREC)  # (I + A)^-1 R
-        O += tl.dot(dec * QK, U, input_precision=PREC)  # ancestors and the node itself
+        O += tl.dot(dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC), U, input_precision=PREC)
         mbv = mb[:, None] & mv[None, :]
         tl.store(o + rb[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mbv)
         tl.store(ubuf + h * s_ubh + rb[:, None] * s_ubt + ov[None, :], U, mask=mbv)
-        tl.debug_barrier()  # block b's U is read back by every later block
+        tl.debug_barrier()  # block b's k, c and U are read back by every later block
 
 
 @eager
@@ -540,21 +486,16 @@ def gdn_tree_layer(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.T
     ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
     sb, (BV, warps) = layer_tiles(T, layer.dv)
     sb, (BV, warps) = block or sb, tiles or (BV, warps)
-    qb = torch.empty(hv, T, layer.dk, dtype=torch.float32, device=S0.device)  # the blocks' q rows, read back in chunks
     kern = _kernel(_gdn_tree_layer_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(hv, triton.cdiv(layer.dv, BV))](
-            ext_, window_, w, proj_, neg_a, dt_bias, S0, mask, o, kb, ub, cb, qb,
+            ext_, window_, w, proj_, neg_a, dt_bias, S0, mask, o, kb, ub, cb,
             s_pt, C, hv, o.stride(0), o.stride(1), kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            qb.stride(0), qb.stride(1),
-            T=T, DK=layer.dk, DV=layer.dv, BT=_tile(T), SB=sb, BK=_tile(layer.dk), BV=BV, DC=min(LAYER_CHUNK, _tile(layer.dk)),
+            T=T, DK=layer.dk, DV=layer.dv, BT=_tile(T), SB=sb, BK=_tile(layer.dk), BV=BV,
             NSQ=max(0, (sb - 1).bit_length() - 1), PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
             REP=rep, KD=kd, W=width, num_warps=warps,
         )
     return o
-
-
-LAYER_CHUNK = 32  # gdn_tree_layer's products over the key width: chunks of this many channels
 
 
 def layer_tiles(T: int, dv: int) -> tuple[int, tuple[int, int]]:
@@ -670,8 +611,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 
 
 if triton is not None:
-    _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of the kernels
-    _conv_rows, _l2_rows = triton.jit(_conv_rows), triton.jit(_l2_rows)  # of the layer kernel
+    _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
