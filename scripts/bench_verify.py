@@ -9,9 +9,7 @@
    one kernel), `kernel` (the torch prologue qkvgb, then gdn_tree), `wy` (qkvgb, then gdn.tree_wy's
    cuBLAS path), and the one-kernel paths at each (BV, warps) of --tiles, each with its error
    against tree_wy's output;
-3. layer: the one-launch layer kernel (gdn_tree.gdn_tree_layer) from the projection, at its
-   rule's tiles and each of --layer-sweep, against the paths it replaces and the decode step;
-4. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree and
+3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree and
    gdn_tree_blocked (`blocked`: its rule's block, root and tiles; `blocked<B>`: blocks of B nodes
    of --blocks, `root`: with the root folded into the state first, at its tiles and at each of
    --tiles); and `blocked prologue` (the engine's path past one tile: gdn_tree.gdn_prologue from
@@ -182,49 +180,6 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
             for n, v in row["paths"].items()), flush=True)
 
 
-def bench_layer(tc: dict, nodes: list[int], sweep: list[tuple[int, int, int]], rows: list, save) -> None:
-    """The tree's whole GDN mixer from the layer's projection, less the projection's time: the
-    one-launch layer kernel (gdn_tree_layer) at its rule's tiles and at each (block, BV, warps) of
-    `sweep`, against the paths it replaces (the one-tile kernel with the prologue inside up to 64
-    nodes; gdn_prologue + gdn_tree_blocked) and the decode step's kernel (gdn_step, one node).
-    A row per size."""
-    from ddtree.ops import gdn_step
-
-    model = gdn_layer(tc)
-    layer = model.layers[0].linear_attn
-    prec = resolve(Options(), DEV).tree_precision
-    pj1 = layer.in_proj(torch.randn(1, tc["hidden_size"], device=DEV, dtype=torch.bfloat16)).view(-1)
-    step_ms = graph_ms(lambda: gdn_step.gdn_step(layer, pj1))
-    print(f"decode step kernel (one node): {step_ms * 1e3:.1f} us", flush=True)
-    for T in nodes:
-        mask, step, x, _, scratch, S0, ref = tree_case(model, layer, tc, T)
-        proj_ms = graph_ms(lambda: layer.project(x))
-
-        def layer_fn(block=None, t=None):
-            pj, ex = layer.project(x)
-            return gdn_tree.gdn_tree_layer(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t, block=block)
-
-        def one():
-            pj, ex = layer.project(x)
-            return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec)
-
-        paths = [("layer", layer_fn), ("blocked prologue", blocked_prologue_path(layer, x, step, S0, mask, scratch, prec))]
-        paths += [("one", one)] if T <= 64 else []
-        paths += [(f"layer SB{b} BV{v} w{w}", lambda b=b, v=v, w=w: layer_fn(b, (v, w))) for b, v, w in sweep]
-        row = dict(T=T, step_us=step_ms * 1e3, layer_tiles=gdn_tree.layer_tiles(T, layer.dv), paths={})
-        for name, fn in paths:
-            try:
-                o = fn()
-                row["paths"][name] = dict(us=(graph_ms(fn) - proj_ms) * 1e3, err=((o.float() - ref).norm() / ref.norm()).item())
-            except Exception as e:  # a tile past the shared memory: noted, not fatal
-                row["paths"][name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
-        rows.append(row)
-        save()
-        print(f"T={T:3d} from the projection: " + "  ".join(
-            f"{n} {v['us']:.1f} us ({v['err']:.0e})" if "us" in v else f"{n} {v['error'][:40]}"
-            for n, v in row["paths"].items()), flush=True)
-
-
 def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save, core_only: bool = False,
               blocks: tuple[int, ...] = ()) -> None:
     """A row per tree size, appended to `rows`; save() after each (a stopped run keeps what it measured).
@@ -306,8 +261,7 @@ def main():
     ap.add_argument("--nodes", default="1,16,17,32,33,64")
     ap.add_argument("--parts", default="gemms,gdn",
                     help="comma-separated: gemms, gdn (whole-layer paths and the tile sweep), core (the recurrence alone), "
-                         "tile (the engine's paths from the projection: blocked against the one-tile kernel), "
-                         "layer (the one-launch layer kernel against those paths and the decode step)")
+                         "tile (the engine's paths from the projection: blocked against the one-tile kernel)")
     ap.add_argument("--tiles", nargs="*", default=["16,4", "32,4", "32,8", "64,8", "16,8"],
                     help="BV,WARPS pairs of the one-kernel paths to sweep")
     ap.add_argument("--blocks", type=int, nargs="*", default=[16, 64],
@@ -315,8 +269,6 @@ def main():
                          "folded, at its tiles and at each of --tiles")
     ap.add_argument("--tile-sweep", nargs="*", default=["32,4", "32,8", "64,8"],
                     help="BV,WARPS pairs of the one-tile kernel (part tile)")
-    ap.add_argument("--layer-sweep", nargs="*", default=["16,32,4", "16,64,4", "16,16,4", "16,32,8", "32,32,4", "32,32,8"],
-                    help="BLOCK,BV,WARPS triples of the one-launch layer kernel (part layer)")
     ap.add_argument("--gemm-backends", default="cublas",
                     help="comma-separated BLAS backends of the gemms part: cublas, cublaslt")
     ap.add_argument("--out", default=None)
@@ -350,8 +302,6 @@ def main():
                     f"{r['name']} {r['ms'] * 1e3:.1f}us({r['roofline_frac']:.0%})" for r in mine), flush=True)
     if "tile" in parts:
         bench_tile(tc, nodes, [tuple(int(v) for v in s.split(",")) for s in a.tile_sweep], out.setdefault("tile", []), save)
-    if "layer" in parts:
-        bench_layer(tc, nodes, [tuple(int(v) for v in s.split(",")) for s in a.layer_sweep], out.setdefault("layer", []), save)
     for part in ("gdn", "core"):
         if part in parts:
             bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],

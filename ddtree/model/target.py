@@ -193,7 +193,7 @@ class GatedDeltaNet(nn.Module):
         T, kn = x.shape[0], s.kernels
         if T == 1 and kn.triton:  # decode step: one fused kernel
             return self.out_proj(gdn_step.gdn_step(self, self.in_proj(x).view(-1)).view(1, -1))
-        if kn.layer(T) or kn.prologue(T, self.dk):
+        if kn.prologue(T, self.dk):
             return self._tree_fused(x, s)  # the mixer between the projections in Triton kernels + the norm
         q, k, v, g, beta, z, ext = self.qkvgb(x, s)
         kb, ub, cb = self.wy_bufs
@@ -208,18 +208,15 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, -1))
 
     def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
-        """A tree's verify with the prologue in Triton (twin: the qkvgb path of forward): the
-        whole mixer in one launch (gdn_tree.gdn_tree_layer), or inside the one-tile tree kernel
-        (gdn_tree.gdn_tree_prologue), or one kernel (gdn_tree.gdn_prologue) ahead of the blocked
-        recurrence (gdn_tree_blocked)."""
+        """A tree's verify with the prologue in Triton (twin: the qkvgb path of forward): inside
+        the one-tile tree kernel (gdn_tree.gdn_tree_prologue), or for larger trees one kernel
+        (gdn_tree.gdn_prologue) ahead of the blocked recurrence (gdn_tree_blocked)."""
         T, kn = x.shape[0], s.kernels
         proj, ext = self.project(x)
         z = proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
         kb, ub, cb = self.wy_bufs
         scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
-        if kn.layer(T):  # one launch from the projection to the mixer's output
-            o = gdn_tree.gdn_tree_layer(self, proj, ext, s.window, self.rec_state, s.path_mask, scratch, kn.tree_precision)
-        elif kn.tree(T, self.dk):
+        if kn.tree(T, self.dk):
             o = gdn_tree.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask, scratch,
                                            kn.tree_precision)
         else:

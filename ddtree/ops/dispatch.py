@@ -56,7 +56,6 @@ class Kernels:
     tree_precision: str = "ieee"
     tree_prologue: int = 0  # the GDN prologue in Triton for T <= this: inside the one-tile kernel, or one kernel ahead of the blocks
     tree_blocked: int = 0  # trees past that kernel's sizes, up to this many nodes: gdn_tree_blocked
-    tree_layer: int = 0  # trees of up to this many nodes (and within tree_prologue): gdn_tree.gdn_tree_layer, one launch
     attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
     prefill_attention: str = "auto"  # ddtree.ops.attention.prefill_attention's backend (auto: math on CPU)
@@ -65,11 +64,6 @@ class Kernels:
     def tree(self, T: int, dk: int) -> bool:
         """The one-kernel tree verify for a T-node tree of key width dk?"""
         return 1 < T <= self.tree_max_nodes and tile(T) * tile(dk) <= self.tree_tile
-
-    def layer(self, T: int) -> bool:
-        """The tree's whole GDN mixer in one launch (gdn_tree.gdn_tree_layer)? It takes the place
-        of both the one-tile kernel and the prologue + blocks."""
-        return 1 < T <= min(self.tree_layer, self.tree_prologue)
 
     def prologue(self, T: int, dk: int) -> bool:
         """The GDN prologue in Triton for this tree (inside the one-tile kernel, or gdn_tree.gdn_prologue ahead of the blocked one)?"""
@@ -102,7 +96,6 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
         tree_precision=triton_util.dot_precision(options.tree_precision, a),
         tree_prologue=options.tree_prologue if tri else 0,
         tree_blocked=TREE_BLOCKED_MAX_NODES if tri and options.tree_kernel != "off" else 0,
-        tree_layer=min(options.tree_layer, TREE_BLOCKED_MAX_NODES) if tri and options.tree_kernel == "auto" else 0,
         attention=attention,
         fla=options.fla and dev.type == "cuda",
         prefill_attention=options.prefill_attention if dev.type == "cuda" else "auto",

@@ -331,81 +331,6 @@ def _gdn_tree_solve_kernel(
         tl.debug_barrier()  # block b's U is read back by every later block
 
 
-def _gdn_tree_layer_kernel(
-    ext, window, conv_w, proj, neg_a, dt_bias, S0, mask, o, kbuf, ubuf, cbuf,
-    s_pt, C, HV, s_ot, s_oh, s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
-    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr,
-    REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
-):
-    # A tree verify's whole GDN mixer between the projections in one launch: one program per
-    # (value head, block of BV value channels). The root (an ancestor of every node) is one
-    # delta-rule step first, S' = e^g0 S + k0 u0^T; then the nodes after it in blocks of SB, in
-    # order: each block's prologue (conv + SiLU, norms, gates) from the projection, its cross
-    # terms against the earlier blocks (their k, c and U read back from the commit scratch this
-    # program wrote), its in-block solve by squarings, its output. A tree of SB m + 1 nodes is m
-    # blocks, so 17 / 33 / 65 nodes cost what 16 / 32 / 64 do. Every program writes the head's k
-    # and c scratch rows (the same values), so none waits on another.
-    h = tl.program_id(0)
-    vb = tl.program_id(1)
-    NB: tl.constexpr = (T - 1 + SB - 1) // SB
-    ok = tl.arange(0, BK)
-    ov = vb * BV + tl.arange(0, BV)
-    mk, mv = ok < DK, ov < DV
-    cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
-    ck = KD + cq
-    cv = 2 * KD + h * DV + ov
-    zb = C + HV * DV  # the projection's b, a columns
-    oa = tl.arange(0, BT)
-    ma = oa < T
-    g_all, _ = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, oa, ma)  # [BT]
-    S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    # ---- the root: rows of a tile with only row 0 live, summed down to vectors
-    os_ = tl.arange(0, SB)
-    m0 = os_ < 1
-    Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, os_, m0, mk, mv, DK, W)
-    gr, br = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, os_, m0)
-    q0, k0, v0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0)
-    c0 = tl.sum(gr, 0)
-    e0 = tl.exp(c0)
-    u0 = tl.sum(br, 0) * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
-    tl.store(o + h * s_oh + ov, e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0, mask=mv)
-    tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
-    tl.store(kbuf + h * s_kbh + ok, k0, mask=mk)
-    tl.store(cbuf + h * s_cbh, c0)
-    S = e0 * S + k0[:, None] * u0[None, :]
-    for b in tl.static_range(NB):
-        rb = 1 + b * SB + os_
-        mb = rb < T
-        Qb, Kb, Vb = _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rb, mb, mk, mv, DK, W)
-        _, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rb, mb)
-        on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
-        c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # summed log-decay along each path (root included)
-        tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mb[:, None] & mk[None, :])
-        tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb)
-        ec = tl.exp(c_b - c0)  # against S', the root's decay taken out
-        R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
-        O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
-        for c in tl.static_range(b):  # the earlier blocks, solved: their k, c and U from the scratch
-            rc = 1 + c * SB + os_
-            Kc = tl.load(kbuf + h * s_kbh + rc[:, None] * s_kbt + ok[None, :], mask=mk[None, :], other=0.0)
-            c_c = tl.load(cbuf + h * s_cbh + rc)
-            Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
-            on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None] & (rc < T)[None, :], other=0) != 0
-            dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
-            R -= tl.dot(bb[:, None] * dec * tl.dot(Kb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
-            O += tl.dot(dec * tl.dot(Qb, tl.trans(Kc), input_precision=PREC), Uc, input_precision=PREC)
-        on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
-        dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
-        A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
-        U = _squarings(A, R - tl.dot(A, R, input_precision=PREC), NSQ, PREC)  # (I + A)^-1 R
-        O += tl.dot(dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC), U, input_precision=PREC)
-        mbv = mb[:, None] & mv[None, :]
-        tl.store(o + rb[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mbv)
-        tl.store(ubuf + h * s_ubh + rb[:, None] * s_ubt + ov[None, :], U, mask=mbv)
-        tl.debug_barrier()  # block b's k, c and U are read back by every later block
-
-
 @eager
 def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None,
                      block: int | None = None, root: bool | None = None):
@@ -468,40 +393,6 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
             T=T, DK=layer.dk, DV=layer.dv, BR=16, BK=_tile(layer.dk), BV=_tile(layer.dv), REP=rep, KD=kd, W=width,
         )
     return q, k, v, g, beta
-
-
-@eager
-def gdn_tree_layer(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
-                   precision: str = "ieee", tiles=None, block: int | None = None):
-    """The tree verify of GDN layer `layer` from its projection to the mixer's output in one
-    launch (_gdn_tree_layer_kernel): the prologue (tree convolution + SiLU, q/k l2 norms, head
-    repeat, gates), the root folded into the state, then the other nodes in blocks of `block`
-    (layer_tiles' rule when None). Node 0 must be an ancestor of every node (true of every verify
-    tree; not checked). Arguments as gdn_tree_prologue; tiles: (BV, warps) instead of layer_tiles'.
-    -> o [T, hv, dv] fp32, `out` written as gdn_tree writes it. Twin: qkvgb + gdn.tree_wy
-    (tests/ops/test_gdn_kernels.py)."""
-    T = proj.shape[0]
-    mask, o = _mask_and_output(path_mask, out, S0, T, layer.hv, layer.dv)
-    kb, ub, cb = out
-    ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
-    sb, (BV, warps) = layer_tiles(T, layer.dv)
-    sb, (BV, warps) = block or sb, tiles or (BV, warps)
-    kern = _kernel(_gdn_tree_layer_kernel, interpret=not S0.is_cuda)
-    with _on_device_of(S0):
-        kern[(hv, triton.cdiv(layer.dv, BV))](
-            ext_, window_, w, proj_, neg_a, dt_bias, S0, mask, o, kb, ub, cb,
-            s_pt, C, hv, o.stride(0), o.stride(1), kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            T=T, DK=layer.dk, DV=layer.dv, BT=_tile(T), SB=sb, BK=_tile(layer.dk), BV=BV,
-            NSQ=max(0, (sb - 1).bit_length() - 1), PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
-            REP=rep, KD=kd, W=width, num_warps=warps,
-        )
-    return o
-
-
-def layer_tiles(T: int, dv: int) -> tuple[int, tuple[int, int]]:
-    """gdn_tree_layer's (block, (BV, warps)) for a T-node tree: blocks of 16 nodes, 32 value
-    channels a program, 4 warps."""
-    return 16, (min(32, _tile(dv)), 4)
 
 
 def block_nodes(T: int, a: Arch | None = None) -> int:
@@ -618,4 +509,3 @@ if triton is not None:
     _kernel(_gdn_tree_mats_head_kernel, interpret=False)
     _kernel(_gdn_tree_solve_kernel, interpret=False)
     _kernel(_gdn_prologue_kernel, interpret=False)
-    _kernel(_gdn_tree_layer_kernel, interpret=False)

@@ -224,31 +224,6 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
         ERR.note("tree prologue mixer", assert_rel(layer._tree_fused(x, s), want, 1e-5, f"T={T}"))
 
 
-LAYER_SIZES = (1, 2, 3, 9, 15, 16, 17, 18, 31, 32, 33, 34, 47, 63, 64, 65)
-
-
-@pytest.mark.parametrize("block", [16, 32])
-@pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_tree_layer_kernel_matches_torch_prologue(cfg, block):
-    """The one-launch tree layer (prologue, root folded into the state, blocks of 16 or 32 nodes)
-    against qkvgb + tree_wy on random, chain and star trees of 1 to 65 nodes (every size around 16,
-    32 and 64) over random conv and recurrent states: outputs and commit scratch."""
-    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
-    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
-    g_ = torch.Generator().manual_seed(11 + block)
-    for i, T in enumerate(LAYER_SIZES):
-        mask, x, s = _random_tree_step(model, layer, T, g_, ("random", "chain", "star")[i % 3])
-        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
-        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
-        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
-        got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
-        o = gdn_tree.gdn_tree_layer(layer, layer.in_proj(x), ext.clone(), s.window, layer.rec_state, mask, got,
-                                    block=block)
-        ERR.note("tree layer", assert_rel(o, o_ref, 1e-5, f"T={T}"))
-        for a, b in zip(got, scratch):
-            ERR.note("tree layer scratch", assert_rel(a, b, 1e-5, f"T={T}"))
-
-
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_prologue_kernel_matches_qkvgb(cfg):
     """The blocked verify's prologue kernel (gdn_tree.gdn_prologue: tree convolution + SiLU, q/k
@@ -263,7 +238,7 @@ def test_prologue_kernel_matches_qkvgb(cfg):
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(7)
-    fast = resolve(FAST.replace(tree_layer=0), DEV)  # (the one-launch layer off: its own test)
+    fast = resolve(FAST, DEV)
     for T in (2, 16, 17, 33, 50, 65):
         parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
         mask = ancestor_mask_from_parents(parents).to(DEV)
@@ -329,23 +304,6 @@ def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prol
         toks[on] = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
     assert toks[True] == toks[False] and calls and set(calls) == {41}
     assert set(pro) == ({41} if prologue else set())
-
-
-@pytest.mark.parametrize("budget", [8, 16, 32, 40])
-def test_decoding_through_the_layer_kernel_equals_torch_path(monkeypatch, budget):
-    """Whole decoders with every tree verify's GDN mixer in the one-launch layer kernel (the
-    default: tree_kernel auto): greedy tokens equal the torch path's, and only that kernel ran
-    (no one-tile, prologue or blocked launch)."""
-    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4)).tolist()
-    calls, others, real = [], [], gdn_tree.gdn_tree_layer
-    monkeypatch.setattr(gdn_tree, "gdn_tree_layer", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
-    for name in ("gdn_tree", "gdn_tree_prologue", "gdn_tree_blocked", "gdn_prologue"):
-        monkeypatch.setattr(gdn_tree, name, lambda *a, name=name, **k: others.append(name))
-    toks = {}
-    for on in (True, False):
-        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST if on else TORCH)
-        toks[on] = dec.generate(prompt, "ddtree", budget=budget, max_new_tokens=12).token_ids
-    assert toks[True] == toks[False] and set(calls) == {budget + 1} and not others
 
 
 @pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40), (7, 128)])
