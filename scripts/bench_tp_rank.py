@@ -245,8 +245,10 @@ def main():
     cfg = TargetConfig.from_dict(raw_t)
     contexts = [int(x) for x in a.contexts.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
+    from scripts.bench_engine import copy_bandwidth, git_commit
+
     doc: dict = {"kind": "tp_rank", "gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
-                 "torch": torch.__version__, "preset": a.preset, "world": a.world, "rank": 0, "budget": a.budget,
+                 "commit": git_commit(), "torch": torch.__version__, "preset": a.preset, "world": a.world, "rank": 0, "budget": a.budget,
                  "tokens": a.tokens, "contexts": contexts, "compiled_layers": not a.eager_layers,
                  "allreduce_us": costs, "allreduce_us_source": COST_SOURCE,
                  "rank_bytes": rank_bytes_per_token(cfg, a.world), "full_bytes": rank_bytes_per_token(cfg, 1)}
@@ -257,8 +259,6 @@ def main():
         if res is not None:
             doc.update(res)
         out.write_text(json.dumps(doc, indent=2, default=str))
-
-    from scripts.bench_engine import copy_bandwidth
 
     doc["copy_GBps"] = copy_bandwidth() / 1e9
     save()
