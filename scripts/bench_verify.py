@@ -10,7 +10,8 @@
    cuBLAS path), and the one-kernel paths at each (BV, warps) of --tiles, each with its error
    against tree_wy's output;
 3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree and
-   gdn_tree_blocked (`blocked`: its rule's block, root and tiles; `blocked<B>`: blocks of B nodes
+   gdn_tree_blocked (`blocked`: its rule's block, root and tiles; `blocked chunk<C>`: its first
+   pass's key products in chunks of C channels; `blocked<B>`: blocks of B nodes
    of --blocks, `root`: with the root folded into the state first, at its tiles and at each of
    --tiles); and `blocked prologue` (the engine's path past one tile: gdn_tree.gdn_prologue from
    the projection, then gdn_tree_blocked; less the projection's time)
@@ -181,7 +182,7 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
 
 
 def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save, core_only: bool = False,
-              blocks: tuple[int, ...] = ()) -> None:
+              blocks: tuple[int, ...] = (), chunks: tuple[int, ...] = ()) -> None:
     """A row per tree size, appended to `rows`; save() after each (a stopped run keeps what it measured).
     core_only: only the recurrence alone (tree_wy, the kernel, the blocked kernel per block and tile)."""
     model = gdn_layer(tc)
@@ -231,6 +232,8 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
                          ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked prologue", blocked_prologue),
+                         *((f"blocked chunk{c}", lambda c=c: gdn_tree.gdn_tree_blocked(
+                             q, k, v, g, beta, S0, mask, scratch, prec, chunk=c)) for c in chunks),
                          *((f"blocked{b} root" if r else f"blocked{b}", lambda b=b, r=r: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, block=b, root=r))
                            for b in blocks for r in (False, True)),
@@ -269,6 +272,8 @@ def main():
                          "folded, at its tiles and at each of --tiles")
     ap.add_argument("--tile-sweep", nargs="*", default=["32,4", "32,8", "64,8"],
                     help="BV,WARPS pairs of the one-tile kernel (part tile)")
+    ap.add_argument("--mats-chunks", type=int, nargs="*", default=[16, 32, 64],
+                    help="gdn_tree_blocked's first pass with its key products in chunks of these many channels (core)")
     ap.add_argument("--gemm-backends", default="cublas",
                     help="comma-separated BLAS backends of the gemms part: cublas, cublaslt")
     ap.add_argument("--out", default=None)
@@ -305,7 +310,8 @@ def main():
     for part in ("gdn", "core"):
         if part in parts:
             bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],
-                      out.setdefault(part, []), save, core_only=part == "core", blocks=tuple(a.blocks))
+                      out.setdefault(part, []), save, core_only=part == "core", blocks=tuple(a.blocks),
+                      chunks=tuple(a.mats_chunks))
 
 
 if __name__ == "__main__":

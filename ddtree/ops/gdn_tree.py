@@ -170,18 +170,35 @@ def _gdn_prologue_kernel(
     tl.store(beta + r * s_gt + h, bb, mask=mr)
 
 
+def _kdot(a, a_t, a_m, b, b_t, b_m, ra, rb, DK: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
+          PREC: tl.constexpr):
+    """[R, R] products of rows `ra` of a and rows `rb` of b (fp32 rows of DK channels at a + row *
+    a_t, channel-contiguous; masks a_m, b_m) over the key width in chunks of DC channels read from
+    memory: each chunk's operands are small, where whole [R, BK] tf32x3 operands split in two and
+    copied to every warp spill (1 KB a thread on sm_90 at R = 16, BK = 128)."""
+    od = tl.arange(0, DC)
+    acc = tl.zeros([ra.shape[0], rb.shape[0]], dtype=tl.float32)
+    for d in range(0, BK, DC):
+        md = (d + od) < DK
+        x = tl.load(a + ra[:, None] * a_t + d + od[None, :], mask=a_m[:, None] & md[None, :], other=0.0).to(tl.float32)
+        y = tl.load(b + rb[:, None] * b_t + d + od[None, :], mask=b_m[:, None] & md[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(x, tl.trans(y), input_precision=PREC)
+    return acc
+
+
 def _gdn_tree_mats_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr,
 ):
     # The blocked recurrence's first pass: everything that does not depend on the values, one
     # program per (block b of SB nodes, value head). Row block b of the per-head [T, T] matrices:
     # wm[b, c] = A[b, c] (c < b; A[i, j] = beta_i e^(c_i - c_j) k_i.k_j, j a strict ancestor of i)
     # and wm[b, b] = (I + A[b, b])^-1 (squarings, as _gdn_tree_kernel); pm[b, c] = e^(c_i - c_j)
     # q_i.k_j over ancestors and the node itself (c <= b). Also the commit scratch's k and c rows.
-    # Blocks above the diagonal are never written nor read.
+    # Blocks above the diagonal are never written nor read. DC > 0: the key products in chunks
+    # of DC channels (_kdot); 0: whole [SB, BK] tiles held in registers.
     b = tl.program_id(0)
     h = tl.program_id(1)
     f32 = tl.float32
@@ -199,27 +216,41 @@ def _gdn_tree_mats_kernel(
     mbk = mb[:, None] & mk[None, :]
     Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
     tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk)
-    Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
+    if DC == 0:
+        Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
     bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
     base = h * T * T
+    kh, qh = k + h * s_kh, q + h * s_qh
     for c in range(b):  # the earlier blocks: through the ancestor mask
         rc = ROOT + c * SB + os_
         on_c = tl.load(mask + rc[:, None] * T + oa[None, :], mask=ma[None, :], other=0) != 0
         c_c = tl.sum(tl.where(on_c, g_all[None, :], 0.0), 1)
         on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
         dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
-        Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
         at = base + rb[:, None] * T + rc[None, :]
-        tl.store(wm + at, bb[:, None] * dec * tl.dot(Kb, tl.trans(Kc), input_precision=PREC), mask=mb[:, None])
-        tl.store(pm + at, dec * tl.dot(Qb, tl.trans(Kc), input_precision=PREC), mask=mb[:, None])
+        if DC == 0:
+            Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
+            kk = tl.dot(Kb, tl.trans(Kc), input_precision=PREC)
+            qk = tl.dot(Qb, tl.trans(Kc), input_precision=PREC)
+        else:
+            kk = _kdot(kh, s_kt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
+            qk = _kdot(qh, s_qt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
+        tl.store(wm + at, bb[:, None] * dec * kk, mask=mb[:, None])
+        tl.store(pm + at, dec * qk, mask=mb[:, None])
     on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
     dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
-    A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * tl.dot(Kb, tl.trans(Kb), input_precision=PREC), 0.0)
+    if DC == 0:
+        kk = tl.dot(Kb, tl.trans(Kb), input_precision=PREC)
+        qk = tl.dot(Qb, tl.trans(Kb), input_precision=PREC)
+    else:
+        kk = _kdot(kh, s_kt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
+        qk = _kdot(qh, s_qt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
+    A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * kk, 0.0)
     E = _squarings(A, tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A, NSQ, PREC)  # (I + A)^-1
     at = base + rb[:, None] * T + rb[None, :]
     mbb = mb[:, None] & mb[None, :]
     tl.store(wm + at, E, mask=mbb)
-    tl.store(pm + at, dec * tl.dot(Qb, tl.trans(Kb), input_precision=PREC), mask=mbb)
+    tl.store(pm + at, dec * qk, mask=mbb)
 
 
 def _gdn_tree_mats_head_kernel(
@@ -333,7 +364,7 @@ def _gdn_tree_solve_kernel(
 
 @eager
 def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None,
-                     block: int | None = None, root: bool | None = None):
+                     block: int | None = None, root: bool | None = None, chunk: int | None = None):
     """gdn_tree by blocks of `block` nodes, for the trees the one-tile kernel does not take
     (ddtree.ops.dispatch), in two passes: the matrices that do not depend on the values (the
     masks, the cross terms, each block's inverse), then the blocks in order
@@ -357,6 +388,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     mat_args = (q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:], kb.stride(0), kb.stride(1), cb.stride(0))
     consts = dict(T=T, DK=dk, BT=_tile(T), SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root),
                   NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4)
+    chunk = MATS_CHUNK if chunk is None else chunk
     solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         if T > root and block >= HEAD_BLOCK:  # (T == root: the root alone, nothing to solve)
@@ -364,7 +396,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
                 *mat_args, BN=max(HEAD_BLOCK, _tile(T - root)), **consts)
         elif T > root:
             _kernel(_gdn_tree_mats_kernel, interpret=not S0.is_cuda)[(triton.cdiv(T - root, block), H)](
-                *mat_args, **consts)
+                *mat_args, DC=min(chunk, _tile(dk)), **consts)
         solve[(H, triton.cdiv(dv, BV))](
             q, k, v, g, beta, S0, wm, pm, o, kb, ub, cb,
             *strides, o.stride(0), o.stride(1),
@@ -393,6 +425,9 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
             T=T, DK=layer.dk, DV=layer.dv, BR=16, BK=_tile(layer.dk), BV=_tile(layer.dv), REP=rep, KD=kd, W=width,
         )
     return q, k, v, g, beta
+
+
+MATS_CHUNK = 0  # the first pass by blocks: key products in chunks of this many channels (0: whole tiles)
 
 
 def block_nodes(T: int, a: Arch | None = None) -> int:
@@ -504,6 +539,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 if triton is not None:
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
+    _kdot = triton.jit(_kdot)  # of the first pass by blocks
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
     _kernel(_gdn_tree_mats_head_kernel, interpret=False)
