@@ -427,7 +427,11 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
     return q, k, v, g, beta
 
 
-MATS_CHUNK = 0  # the first pass by blocks: key products in chunks of this many channels (0: whole tiles)
+# The first pass by blocks: its key products in chunks of this many channels (0: whole tiles held
+# in registers, which spill 0.9-1.3 KB a thread on sm_90). An H100 measured the recurrence alone,
+# dk = dv = 128, at 17 / 33 nodes: 16.1 / 28.3 us whole, 16.0 / 27.8 in chunks of 16, 15.4 / 26.2
+# of 32, 15.0 / 24.7 of 64 (results/verify-chunks-h100.json).
+MATS_CHUNK = 64
 
 
 def block_nodes(T: int, a: Arch | None = None) -> int:
