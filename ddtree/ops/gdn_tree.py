@@ -197,8 +197,8 @@ def _gdn_tree_mats_kernel(
     # wm[b, c] = A[b, c] (c < b; A[i, j] = beta_i e^(c_i - c_j) k_i.k_j, j a strict ancestor of i)
     # and wm[b, b] = (I + A[b, b])^-1 (squarings, as _gdn_tree_kernel); pm[b, c] = e^(c_i - c_j)
     # q_i.k_j over ancestors and the node itself (c <= b). Also the commit scratch's k and c rows.
-    # Blocks above the diagonal are never written nor read. DC > 0: the key products in chunks
-    # of DC channels (_kdot); 0: whole [SB, BK] tiles held in registers.
+    # Blocks above the diagonal are never written nor read. The key products run in chunks of DC
+    # channels (_kdot): whole [SB, BK] tiles held in registers spilled 0.9-1.3 KB a thread.
     b = tl.program_id(0)
     h = tl.program_id(1)
     f32 = tl.float32
@@ -216,8 +216,6 @@ def _gdn_tree_mats_kernel(
     mbk = mb[:, None] & mk[None, :]
     Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
     tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk)
-    if DC == 0:
-        Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
     bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
     base = h * T * T
     kh, qh = k + h * s_kh, q + h * s_qh
@@ -228,23 +226,14 @@ def _gdn_tree_mats_kernel(
         on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
         dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
         at = base + rb[:, None] * T + rc[None, :]
-        if DC == 0:
-            Kc = tl.load(k + rc[:, None] * s_kt + h * s_kh + ok[None, :], mask=mk[None, :], other=0.0).to(f32)
-            kk = tl.dot(Kb, tl.trans(Kc), input_precision=PREC)
-            qk = tl.dot(Qb, tl.trans(Kc), input_precision=PREC)
-        else:
-            kk = _kdot(kh, s_kt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
-            qk = _kdot(qh, s_qt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
+        kk = _kdot(kh, s_kt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
+        qk = _kdot(qh, s_qt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
         tl.store(wm + at, bb[:, None] * dec * kk, mask=mb[:, None])
         tl.store(pm + at, dec * qk, mask=mb[:, None])
     on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
     dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
-    if DC == 0:
-        kk = tl.dot(Kb, tl.trans(Kb), input_precision=PREC)
-        qk = tl.dot(Qb, tl.trans(Kb), input_precision=PREC)
-    else:
-        kk = _kdot(kh, s_kt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
-        qk = _kdot(qh, s_qt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
+    kk = _kdot(kh, s_kt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
+    qk = _kdot(qh, s_qt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
     A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * kk, 0.0)
     E = _squarings(A, tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A, NSQ, PREC)  # (I + A)^-1
     at = base + rb[:, None] * T + rb[None, :]
@@ -373,7 +362,8 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     warp-group MMAs). Shapes and `out` as gdn_tree. tiles: (BV, warps) of the second pass
     instead of blocked_tiles'; block: None, block_nodes' rule; root: node 0 is an ancestor of
     every node (true of every verify tree; not checked), folded into the state first; None:
-    where that saves a block (fold_root)."""
+    where that saves a block (fold_root); chunk: the first pass's key products in chunks of this
+    many channels (None: MATS_CHUNK)."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     strides = _input_strides(q, k, v, g, beta)
@@ -427,10 +417,10 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
     return q, k, v, g, beta
 
 
-# The first pass by blocks: its key products in chunks of this many channels (0: whole tiles held
-# in registers, which spill 0.9-1.3 KB a thread on sm_90). An H100 measured the recurrence alone,
-# dk = dv = 128, at 17 / 33 nodes: 16.1 / 28.3 us whole, 16.0 / 27.8 in chunks of 16, 15.4 / 26.2
-# of 32, 15.0 / 24.7 of 64 (results/verify-chunks-h100.json).
+# The first pass by blocks: its key products in chunks of this many channels. An H100 measured the
+# recurrence alone, dk = dv = 128, at 17 / 33 nodes: 16.1 / 28.3 us with whole [16, 128] tiles
+# (0.9-1.3 KB a thread of spills), 16.0 / 27.8 in chunks of 16, 15.4 / 26.2 of 32, 15.0 / 24.7 of
+# 64 (results/verify-chunks-h100.json, cc07260).
 MATS_CHUNK = 64
 
 
