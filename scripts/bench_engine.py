@@ -85,6 +85,18 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+def kernel_times(prof, width: int | None = None) -> dict[str, list]:
+    """A torch.profiler run's CUDA kernels: name (cut to `width` characters) -> [launches, device us]."""
+    from collections import defaultdict
+
+    per = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name[:width]][0] += 1
+            per[e.name[:width]][1] += e.device_time_total
+    return per
+
+
 def profile_kernels(fn, reps: int = 3, top: int = 30) -> dict:
     """fn() (a graph replay or a decode) `reps` times under torch.profiler: device time per call by
     category (kernel_category) and the `top` kernels by time, in us per call."""
@@ -97,11 +109,7 @@ def profile_kernels(fn, reps: int = 3, top: int = 30) -> dict:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    per = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name][0] += 1
-            per[e.name][1] += e.device_time_total
+    per = kernel_times(prof)
     cats: dict = defaultdict(float)
     for name, (_, us) in per.items():
         cats[kernel_category(name)] += us / reps

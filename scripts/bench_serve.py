@@ -81,6 +81,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))  # bench_engine, also where this is imported as scripts.bench_serve
 
+from ddtree.decode.clock import sync  # noqa: E402
 from ddtree.decode.conversation import Conversation  # noqa: E402
 from ddtree.decode.decoder import Decoder  # noqa: E402
 from ddtree.decode.sampling import SamplingParams  # noqa: E402
@@ -681,11 +682,6 @@ def chat_turns(srv: InProcess, client, args, vocab: int, budget) -> dict:
 def chat_rand_ids(n: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (n,), generator=g).tolist()
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def fresh_ttft(dec: Decoder, ids: list[int], job, fast: bool | None = None) -> float:

@@ -32,6 +32,7 @@ from ddtree.decode.decoder import Decoder  # noqa: E402
 from ddtree.model.presets import PRESETS  # noqa: E402
 from ddtree.app.prompts import load_prompts  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
+from bench_engine import kernel_times  # noqa: E402  (scripts/ is sys.path[0])
 
 
 def graph_table(dec: Decoder, prof_cls, top: int) -> list[dict]:
@@ -55,14 +56,10 @@ def graph_table(dec: Decoder, prof_cls, top: int) -> list[dict]:
             g.replay()
             torch.cuda.synchronize()
         dec.graphs.restore(snap)
-        ks = [(e.name, e.device_time_total) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        per = collections.defaultdict(lambda: [0, 0.0])
-        for name, us in ks:
-            per[name[:90]][0] += 1
-            per[name[:90]][1] += us
+        per = kernel_times(prof, 90)
         name = type(key).__name__ + "/" + "/".join(str(x) for x in vars(key).values() if not hasattr(x, "__dict__"))[:60]
-        rows.append({"key": name, "ms": sorted(times)[len(times) // 2], "kernels": len(ks),
-                     "kernel_us": sum(us for _, us in ks),
+        rows.append({"key": name, "ms": sorted(times)[len(times) // 2], "kernels": sum(n for n, _ in per.values()),
+                     "kernel_us": sum(us for _, us in per.values()),
                      "top": [{"name": k, "n": v[0], "us": v[1]} for k, v in sorted(per.items(), key=lambda kv: -kv[1][1])]})
         row = rows[-1]
         print(f"  graph {name:40s} {row['ms'] * 1e3:8.1f} us/replay  {row['kernels']:4d} kernels  "
@@ -105,11 +102,7 @@ def prefill_profile(dec: Decoder, lengths: list[int], top: int, vocab: int) -> d
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             dec.prefill(ids, job)
             torch.cuda.synchronize()
-        per = collections.defaultdict(lambda: [0, 0.0])
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per[e.name[:100]][0] += 1
-                per[e.name[:100]][1] += e.device_time_total
+        per = kernel_times(prof, 100)
         busy = sum(v[1] for v in per.values()) / 1e3
         cats = collections.defaultdict(float)
         for name, (_, us) in per.items():
@@ -188,12 +181,7 @@ def main():
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
         rounds = max(len(rec.rounds), 1)
-        per = collections.defaultdict(lambda: [0, 0.0])
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                k = per[e.name[:90]]
-                k[0] += 1
-                k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        per = kernel_times(prof, 90)
         n = sum(v[0] for v in per.values())
         busy_us = sum(v[1] for v in per.values())
         top = sorted(per.items(), key=lambda kv: -kv[1][1])
