@@ -365,3 +365,29 @@ def write_random_pair(root: Path, raw: dict) -> tuple[Path, Path]:
     write_tokenizer(tdir)
     save_checkpoint(drafter.state_dict(), draft_raw, ddir, layout="drafter")
     return tdir, ddir
+
+
+def random_chooser(seed: int):
+    """A BudgetChooser class that chooses at random wherever auto chooses: a plain step or the arm
+    at hand, whether a plain step drafts, what a drafting step stages (seeded: `seed`). Set it as
+    `decoder.chooser_class`."""
+    import random
+
+    from ddtree.decode.budget import CHAIN, BudgetChooser
+
+    rng = random.Random(seed)
+
+    class Random(BudgetChooser):
+        def pick_eq(self, eq):
+            b = rng.choice([0, *eq])
+            return (b, eq.get(b, 0.0)) if b else (0, 0.0)
+
+        def build_for(self, b, r):
+            arms = [a for a in (CHAIN, *self.verify_ms) if self.drafts(a)]
+            self.last_build = rng.choice(arms)
+            return self.last_build
+
+        def wants_tree(self, eq):
+            return rng.random() < 0.3
+
+    return Random

@@ -49,6 +49,26 @@ def test_graphed_auto_switching_equals_eager_host_loop():
         assert [r[0] for r in recs[0][:4]] == cycle[:4]
 
 
+def test_capture_ahead_leaves_no_capture_to_a_generation():
+    """Under CUDA graphs (power-of-two context buckets), after capture_ahead a generation captures
+    nothing, whatever --budget auto chooses (a random chooser) and for a fixed budget, across
+    the 256 and 512 bucket edges; its tokens equal `ar` (float32, greedy)."""
+    from ddtree.decode.auto import capture_ahead
+    from helpers import random_chooser
+
+    dec, _ = build_random_pair("hybrid", seed=5, device="cuda")
+    prompt = torch.randint(2, 97, (230,), generator=torch.Generator().manual_seed(0)).tolist()
+    ar = dec.generate(prompt, "ar", max_new_tokens=48).token_ids
+    for budget in ("auto", 8):
+        job = dec.job("ddtree", budget, SamplingParams(), 48, 0, False, len(prompt))
+        dec.prefill(prompt, job)
+        assert capture_ahead(dec, job, len(prompt)) > 0
+        dec.chooser_class = random_chooser(3)
+        for seed in range(3):
+            rec = dec.generate(prompt, "ddtree", budget=budget, max_new_tokens=48, seed=seed)
+            assert rec.captures == 0 and rec.token_ids == ar, (budget, seed, rec.captures)
+
+
 def test_cuda_compiled_layers_match_eager():
     """Inductor's Triton kernels vs the eager layers: forward logits and every committed state."""
     from model.test_compile import check_compiled_matches_eager  # tests/ is on sys.path (pytest prepend mode)

@@ -124,7 +124,8 @@ def warmup_jobs(plan: list, encoded: list, warmup: int, n_new: int) -> list[tupl
     prompts capture graphs the fixed methods captured in their warm-up (19 captures in 464 ms of
     timed decoding on the H200 with the distilled codepair drafter in float32).
     Where rounds are graphed, settle_auto then repeats that pass until one captures nothing new;
-    what auto learnt meanwhile is dropped before the timed prompts (auto.forget)."""
+    what auto learnt meanwhile is dropped before the timed prompts (auto.forget). Last,
+    capture_ahead captures whatever piece the timed prompts could still meet."""
     if not warmup:
         return []
     by_len = sorted(encoded, key=lambda e: len(e[1]))
@@ -139,6 +140,25 @@ def warmup_jobs(plan: list, encoded: list, warmup: int, n_new: int) -> list[tupl
         for p, ids in {len(ids): (p, ids) for p, ids in encoded}.values():
             jobs.append((method, budget, p, ids, 1))
     return jobs
+
+
+def capture_ahead(dec, plan: list, encoded: list, sampling, n_new: int, top1_first: bool = False) -> int:
+    """The warm-up's last part: every graph piece the timed prompts can run, captured directly
+    (ddtree.decode.auto.capture_ahead after one prefill per run and distinct prompt length:
+    context buckets follow the length alone). Generations alone miss (verify, drafter context)
+    pairs at a bucket's edge that last one token, and --budget auto's choices. -> pieces captured."""
+    from ddtree.decode import auto as auto_budget
+
+    n = 0
+    if not getattr(dec, "use_graphs", False):
+        return n
+    for method, budget in plan:
+        for ids in {len(ids): ids for _, ids in encoded}.values():
+            job = dec.job(method, budget if budget is not None else DEFAULT_BUDGET, sampling, n_new, 0, top1_first, len(ids))
+            dec.prefill(ids, job)
+            n += auto_budget.capture_ahead(dec, job, len(ids))
+    auto_budget.forget(dec)  # (auto's calibrations: the timed prompts start from what a fresh process knows)
+    return n
 
 
 AUTO_SETTLE_PASSES = 3  # most extra warm-up passes of --budget auto over every prompt
@@ -330,9 +350,10 @@ class _Bench:
             for method, budget, p, ids, n_new in jobs:
                 gen(method, budget, ids, p.id, n_new)
             settled = settle_auto(self.dec, gen, self.plan, self.encoded, self.max_new)
+            ahead = capture_ahead(self.dec, self.plan, self.encoded, self.sp, self.max_new, self.top1_first)
             logger.debug(f"warm-up done ({warmup} round(s) over the shortest and longest prompts per run, every "
                          f"prompt for auto and {settled} more pass(es) until one captured nothing, then one prefill "
-                         "per prompt length and method)")
+                         f"per prompt length and method; {ahead} graph pieces the timed prompts can reach captured directly)")
         # one group of runs at a time: each run over every prompt, or (--interleave) every run together, prompt by prompt
         for group in [self.plan] if self.interleave else [[run] for run in self.plan]:
             label = "every run, prompt by prompt" if self.interleave else _label(*group[0])

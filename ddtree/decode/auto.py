@@ -3,7 +3,8 @@
 `calibrate` times one verify per candidate budget (once per context bucket and decoder) and hands
 the generation a chooser (ddtree.decode.budget.BudgetChooser) that shares the decoder's
 `AutoMemory` for that bucket: the whole-round costs and acceptance that earlier generations
-measured. `policy_for` is the pipeline's budget policy for a method.
+measured. `policy_for` is the pipeline's budget policy for a method. `capture_ahead` captures
+every graph piece a generation can reach before it runs (a benchmark's warm-up).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from loguru import logger
 
 from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, Auto, AutoMemory, BudgetChooser, Chain, PlainSteps
 from ddtree.decode.clock import sync
-from ddtree.decode.graphs import VerifyKey
+from ddtree.decode.graphs import PrefixKey, VerifyKey
 from ddtree.decode.sampling import SamplingParams
 from ddtree.ops.tree import Tree, device_tree_fits
 
@@ -102,3 +103,57 @@ def policy_for(dec, method: str, budget: int, k: int, chooser: BudgetChooser | N
     if not device_tree_fits(dec.block_size - 1, k, budget):
         return None
     return Chain(dec.block_size, budget, k)
+
+
+
+def capture_ahead(dec, job, prompt_len: int, eager: bool = False) -> int:
+    """Capture every graph piece a generation of `job` (Decoder.job) from a prompt of prompt_len
+    tokens can run, whatever --budget auto chooses: each plan its policy can return
+    (Policy.every_plan: its prefix copy, verify and step) at the context buckets of every start
+    its rounds can have. A warm-up made of generations reaches only the starts their acceptance
+    met, and auto's choices follow round times: near a bucket's edge some (verify, drafter
+    context) pairs last one token, and timed prompts met them (0 to 4 captures in a run of 8
+    codepair prompts on an H100, 15 ms each).
+    Call it right after that prompt's prefill (the drafter's context is then the prompt's); it
+    changes no state (GraphRunner.ahead). Where rounds are not graphed it does nothing, unless
+    `eager` (tests: each piece runs once, eagerly). -> pieces captured."""
+    from ddtree.decode.round import Pipeline  # (the rounds' module imports this one's policies)
+
+    host_loop = dec.options.host_rounds or (job.top1_first and job.method == "ddtree")
+    if not (dec.use_graphs or eager) or host_loop:
+        return 0
+    sampling = job.sampling
+    dec.start_d.fill_(prompt_len)
+    dec.use_compile()
+    chooser = calibrate(dec, prompt_len, sampling.greedy, plain=True) if job.auto and job.method == "ddtree" else None
+    policy = policy_for(dec, job.method, job.budget, job.k, chooser)
+    if policy is None:  # the host-tree loop runs these rounds
+        return 0
+    pipe = Pipeline(dec, policy, sampling, None, None)
+    graphs, P, plans = dec.graphs, policy.P, policy.every_plan(dec)
+    before, done, taps = graphs.new_keys, set(), {}
+
+    def ahead(key, fn, keep=()):
+        if key in done or (dec.use_graphs and graphs.captured(key)):
+            return graphs.outputs(key) if dec.use_graphs else None
+        done.add(key)
+        return graphs.ahead(key, fn, keep)
+
+    try:
+        for s in range(prompt_len, prompt_len + job.max_new_tokens + P + 1):  # every start a round can be queued at
+            dec.start_d.fill_(s)
+            for plan in plans:
+                slot, src = plan.slot, plan.prefix_of
+                if src is not None:
+                    ahead(PrefixKey(slot.T, src.T - 1, src.chain), lambda: dec.copy_prefix(slot, src))
+                if s + max(slot.T, P) > dec.max_len:
+                    continue
+                vkey = VerifyKey(slot.T, dec.kv_len(s + slot.T), sampling.greedy, policy.taps)
+                out = ahead(vkey, lambda: dec._verify(slot, vkey))
+                if out is not None:
+                    taps[vkey] = out[1]
+                draft_kv = dec.kv_len(s + P)
+                ahead(pipe.step_key(plan, vkey, draft_kv), lambda: pipe.step(plan, taps[vkey], draft_kv), plan.keep)
+    finally:
+        dec.start_d.fill_(prompt_len)
+    return graphs.new_keys - before

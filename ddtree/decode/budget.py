@@ -295,6 +295,12 @@ class Policy:
         """Round r's packet. -> the depth of round r's tree (for its record)."""
         return 0
 
+    def every_plan(self, dec) -> list[Plan]:
+        """Every plan `plan` can return (ddtree.decode.auto.capture_ahead captures their graph
+        pieces before a generation): a fixed policy's one."""
+        self.slot = dec.slot(self.T_max)
+        return [self.plan(0, dec)]
+
 
 class PlainSteps(Policy):
     """`ar`: every round verifies the bonus alone; its step writes the chosen token as the next root."""
@@ -444,18 +450,36 @@ class Auto(Policy):
         self.arms[r] = b
         for d in (self.drafted, self.kinds, self.arms, self.staged):
             d.pop(r - 2, None)
-        slot = dec.slot(ch.nodes(b) + 1)
         build = self.staged[r] = ch.build_for(b, r)
+        return self.make_plan(dec, b, build if drafting else None, src if after_draft else None)
+
+    def make_plan(self, dec, b: int, build: int | None, src: int | None) -> Plan:
+        """The plan of a round of arm b (0: a plain step) whose step stages `build` (None: it does not
+        draft), after a step that staged `src` (None: a plain step that did not draft)."""
+        slot = dec.slot(self.chooser.nodes(b) + 1)
         # after a plain step slot(1) holds the root; else the root (and the tree) come from the staged draft
-        prefix_of = self.stage_of(dec, src) if after_draft else None
-        if not drafting:  # a plain step: the chosen token becomes slot(1)'s root
+        prefix_of = self.stage_of(dec, src) if src is not None else None
+        if build is None:  # a plain step: the chosen token becomes slot(1)'s root
             return Plan(slot=slot, into=dec.slot(1), build=None, walk=1, prefix_of=prefix_of,
                         summary=self.nb, context="defer")
         into = self.stage_of(dec, build)
-        chain = build == CHAIN
+        chain, plain = build == CHAIN, b == 0
         return Plan(slot=slot, into=into, build="chain" if chain else build, walk=1 if plain else self.P,
                     k=1 if chain else self.k, arm=b, prefix_of=prefix_of, summary=self.nb,
                     context="flush" if plain else "path", keep=(into.ints, into.mask, into.ranks))
+
+    def every_plan(self, dec) -> list[Plan]:
+        """Every plan `plan` can return, whatever the chooser measures: after a plain step that did
+        not draft, a plain step; after a draft that staged arm a, a plain step or a; a plain step
+        stages any drafting arm or nothing, a tree or chain round any drafting arm.
+        (ddtree.decode.auto.capture_ahead captures their graph pieces before a generation.)"""
+        arms = [a for a in (CHAIN, *self.budgets) if self.chooser.drafts(a)]
+        plans = []
+        for src in (None, *arms):
+            for b in (0,) if src is None else (0, src):
+                for build in (None, *arms) if b == 0 else arms:
+                    plans.append(self.make_plan(dec, b, build, src))
+        return plans
 
     def stage_of(self, dec, build: int):
         """The staging slot of a build: the chain's own (its shape fixed), or the tree budget's."""

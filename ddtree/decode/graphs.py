@@ -324,9 +324,23 @@ class GraphRunner:
             self._steps[key] = {j: g.step for j, g in self.target.gdn_groups.items()}
         return out
 
+    def ahead(self, key, fn: Callable, keep=()):
+        """run(key, fn) with every state it mutates restored after: captures key's piece ahead of
+        its first use (--budget auto's warm-up, ddtree.decode.auto.capture_ahead) without
+        changing what the decoder holds. -> its outputs (a graph's static buffers)."""
+        snap = self.snapshot(keep)
+        try:
+            return self.run(key, fn, keep)
+        finally:
+            self.restore(snap)
+
     def replay(self, key):
         """Replay a captured graph (benchmarks), returning its output buffers."""
         self._graphs[key].replay()
+        return self._outs[key]
+
+    def outputs(self, key):
+        """A captured piece's output buffers."""
         return self._outs[key]
 
     def captured(self, key) -> bool:

@@ -145,12 +145,16 @@ class Pipeline:
         e0 = clock.now()
         vkey, taps = dec.verify(slot, kv_len, self.sampling, self.gen, self.policy.taps)
         e1 = clock.now()
-        key = StepKey(vkey, self.policy.P, plan.walk, draft_kv, plan.k, self.sampling.temperature_or_none,
-                      plan.build, plan.into.T, plan.summary, plan.context)
-        packet = dec.graphs.run(key, lambda: self.step(plan, taps, draft_kv), keep=plan.keep)
+        packet = dec.graphs.run(self.step_key(plan, vkey, draft_kv), lambda: self.step(plan, taps, draft_kv),
+                                keep=plan.keep)
         e2 = clock.now()
         self.ring.put(r, packet)
         return [("verify", e0, e1), ("draft", e1, e2)]
+
+    def step_key(self, plan: Plan, vkey, draft_kv: int) -> StepKey:
+        """The graph key of the step after verify `vkey` under `plan`."""
+        return StepKey(vkey, self.policy.P, plan.walk, draft_kv, plan.k, self.sampling.temperature_or_none,
+                       plan.build, plan.into.T, plan.summary, plan.context)
 
     # ---------------------------------------------------------------- the device side (one graph)
     def step(self, plan: Plan, taps, draft_kv: int) -> torch.Tensor:

@@ -329,6 +329,31 @@ def test_settle_auto_repeats_passes_until_nothing_new(monkeypatch):
     assert run([3], plan=(("ar", None), ("ddtree", 8)))[0] == 0
 
 
+def test_capture_ahead_covers_each_run_and_prompt_length(monkeypatch):
+    """The warm-up's last part captures what each run can reach after one prefill per distinct
+    prompt length (buckets follow the length), then forgets auto's calibrations; only where rounds
+    are graphed."""
+    from types import SimpleNamespace
+
+    from ddtree.app import bench as B
+    from ddtree.decode import auto as auto_budget
+
+    calls = []
+    monkeypatch.setattr(auto_budget, "capture_ahead", lambda dec, job, L: calls.append(("ahead", job.budget, L)) or 2)
+    monkeypatch.setattr(auto_budget, "forget", lambda dec: calls.append(("forget",)))
+    encoded = [(SimpleNamespace(id=f"p{i}"), [1] * n) for i, n in enumerate((5, 9, 5, 12))]
+    dec = SimpleNamespace(use_graphs=True,
+                          job=lambda m, b, sp, n, seed, t1, L: SimpleNamespace(budget=b, L=L, n=n, top1=t1),
+                          prefill=lambda ids, job: calls.append(("prefill", job.budget, len(ids), job.L, job.n, job.top1)))
+    plan = [("ar", None), ("ddtree", "auto")]
+    assert B.capture_ahead(dec, plan, encoded, None, 7) == 12
+    assert calls == [x for b in (B.DEFAULT_BUDGET, "auto") for L in (5, 9, 12)
+                     for x in (("prefill", b, L, L, 7, False), ("ahead", b, L))] + [("forget",)]
+    calls.clear()
+    dec.use_graphs = False
+    assert B.capture_ahead(dec, plan, encoded, None, 7) == 0 and not calls
+
+
 # ------------------------------------------------------------------------------------------ --tp
 
 from app_helpers import tiny_pair_fixture  # noqa: E402

@@ -402,3 +402,44 @@ def test_auto_leaves_plain_steps_when_a_probe_finds_the_text_changed():
     # probe interval or two: at most 45 more plain steps (measured 240, 1.213 tokens per ms; plain
     # steps throughout would give 1.0, trees from position 200 on at best 1.32)
     assert plain <= 245 and rate >= 1.2 and rate >= rate_old, (plain, plain_old, rate, rate_old)
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_capture_ahead_covers_every_piece_a_generation_runs(kind, monkeypatch):
+    """capture_ahead (a benchmark's warm-up) runs every graph piece a generation can run: --budget
+    auto whatever it chooses (a chooser that picks at random: plain steps, probes, every arm and
+    build), and the fixed methods, over prompts whose rounds cross context-bucket edges, greedy
+    and sampled, run no piece it did not. It changes no state: the generation after it equals `ar`."""
+    from ddtree.decode.auto import capture_ahead
+    from ddtree.decode.sampling import SamplingParams
+    from helpers import random_chooser
+
+    dec, _ = build_random_pair(kind, seed=7)
+    dec.bucket = 32
+    runs = []
+    real_run = dec.graphs.run
+    monkeypatch.setattr(dec.graphs, "run", lambda key, fn, keep=(): runs.append(key) or real_run(key, fn, keep))
+    gen = torch.Generator().manual_seed(2)
+    n_new = 24
+    for sp in (SamplingParams(), SamplingParams(temperature=0.8)):
+        for L in (21, 30):  # the rounds cross the 32 and 64 edges at different offsets
+            prompt = torch.randint(2, 97, (L,), generator=gen).tolist()
+            ar = dec.generate(prompt, "ar", max_new_tokens=n_new).token_ids
+            for method, budget in (("ddtree", "auto"), ("ddtree", 8), ("dflash", 1), ("ar", 1)):
+                job = dec.job(method, budget, sp, n_new, 0, False, L)
+                pre = dec.prefill(prompt, job)
+                runs.clear()
+                assert capture_ahead(dec, job, L, eager=True) == 0  # (eager: nothing captured)
+                ahead = set(runs)
+                kinds = {type(k).__name__ for k in ahead}
+                assert kinds == ({"PrefixKey", "VerifyKey", "StepKey"} if budget == "auto" else {"VerifyKey", "StepKey"})
+                got = dec.decode(pre, job).token_ids  # from the state capture_ahead found
+                if sp.greedy:
+                    assert got == ar, (method, budget)
+                dec.chooser_class = random_chooser(L)
+                for seed in range(4 if budget == "auto" else 1):
+                    runs.clear()
+                    dec.generate(prompt, method, budget=budget, sampling=sp, max_new_tokens=n_new, seed=seed)
+                    missed = set(runs) - ahead
+                    assert not missed, (method, budget, sorted(map(str, missed))[:5])
+                dec.chooser_class = BudgetChooser
