@@ -3,9 +3,9 @@
 
     python scripts/simulate_auto.py --record        # traces of the codepair drafters (CPU float32), then replay
     python scripts/simulate_auto.py                 # replay results/auto-traces-cpu.json.gz
-    python scripts/simulate_auto.py --bench DIR --out results/auto-sim-codepair-h200.json
+    python scripts/simulate_auto.py --bench DIR --out results/auto-sim-codepair-h100.json
                                                     # at the costs of bench_auto.py's documents in DIR
-    python scripts/simulate_auto.py --bench DIR --trace-prompts 8:16 --out results/auto-sim-codepair-h200.json
+    python scripts/simulate_auto.py --bench DIR --trace-prompts 8:16 --out results/auto-sim-codepair-h100.json
                                                     # the same costs on other traced prompts (added to the file)
     python scripts/simulate_auto.py --check-live --limit 4 --tokens 128
                                                     # live auto (CPU float32) against the traces, round by round
@@ -32,7 +32,7 @@ Prompts of one drafter share one AutoMemory, as the generations of one decoder d
 
 Feeds docs/PERFORMANCE.md's "--budget auto at the 27B's costs" (results/auto-sim.json, on the
 traces of results/auto-traces-cpu.json.gz) and the replayed column of "codepair on one GPU"
-(results/auto-sim-codepair-h200.json).
+(results/auto-sim-codepair-h100.json).
 """
 
 from __future__ import annotations
