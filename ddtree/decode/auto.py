@@ -105,7 +105,6 @@ def policy_for(dec, method: str, budget: int, k: int, chooser: BudgetChooser | N
     return Chain(dec.block_size, budget, k)
 
 
-
 def capture_ahead(dec, job, prompt_len: int, eager: bool = False) -> int:
     """Capture every graph piece a generation of `job` (Decoder.job) from a prompt of prompt_len
     tokens can run, whatever --budget auto chooses: each plan its policy can return
@@ -139,13 +138,15 @@ def capture_ahead(dec, job, prompt_len: int, eager: bool = False) -> int:
         done.add(key)
         return graphs.ahead(key, fn, keep)
 
+    for plan in plans:  # auto's prefix copies (their keys hold no context bound)
+        slot, src = plan.slot, plan.prefix_of
+        if src is not None:
+            ahead(PrefixKey(slot.T, src.T - 1, src.chain), lambda: dec.copy_prefix(slot, src))
     try:
         for s in range(prompt_len, prompt_len + job.max_new_tokens + P + 1):  # every start a round can be queued at
             dec.start_d.fill_(s)
             for plan in plans:
-                slot, src = plan.slot, plan.prefix_of
-                if src is not None:
-                    ahead(PrefixKey(slot.T, src.T - 1, src.chain), lambda: dec.copy_prefix(slot, src))
+                slot = plan.slot
                 if s + max(slot.T, P) > dec.max_len:
                     continue
                 vkey = VerifyKey(slot.T, dec.kv_len(s + slot.T), sampling.greedy, policy.taps)
