@@ -200,8 +200,8 @@ def test_layer_split_over_two_gpus_equals_one_gpu():
 def test_tree_kernel_up_to_128_nodes_under_graphs_equals_torch_path():
     """The tree-verify kernels (tree_kernel=on: the one-tile kernel up to 128 nodes, or as many as
     fit the GPU's shared memory, 64 on sm_86, with and without the prologue; auto: one tile up to
-    32 nodes here, by blocks past it: budgets 40 and 64, after the prologue kernel or the
-    torch prologue) on the GPU: compiled layers (the kernels run between
+    32 nodes here, 17 in a 16-node tile after the root, by blocks past it: budgets 16, 40 and 64,
+    after the prologue kernel or the torch prologue) on the GPU: compiled layers (the kernels run between
     compiled pieces) inside CUDA graphs give the torch path's greedy tokens for dflash and ddtree."""
     from ddtree.options import Options
 
@@ -211,16 +211,17 @@ def test_tree_kernel_up_to_128_nodes_under_graphs_equals_torch_path():
                  Options(), Options(tree_prologue=0), Options(tree_kernel="off")):
         dec, _ = build_random_pair("hybrid", seed=5, device="cuda", options=opts)
         toks[opts] = [dec.generate(prompt, m, budget=b, max_new_tokens=32).token_ids
-                      for m, b in (("dflash", 1), ("ddtree", 8), ("ddtree", 40), ("ddtree", 64))]
+                      for m, b in (("dflash", 1), ("ddtree", 8), ("ddtree", 16), ("ddtree", 40), ("ddtree", 64))]
     assert len(set(map(str, toks.values()))) == 1
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
-def test_blocked_tree_verify_at_27b_shapes_equals_tree_wy(precision):
-    """The engine's verify path past one tile (the prologue kernel + the two-pass blocked kernel,
-    its rule's blocks and root fold) against tree_wy on one GDN layer of Qwen3.6-27B's shapes (48
-    value heads of 128 over 16 key heads), float32, random trees of 17 / 33 / 65 nodes: outputs and
-    commit scratch."""
+def test_tree_verify_at_27b_shapes_equals_tree_wy(precision):
+    """The engine's verify paths against tree_wy on one GDN layer of Qwen3.6-27B's shapes (48
+    value heads of 128 over 16 key heads), float32, random trees of 16 / 17 / 33 / 65 nodes: the
+    one-tile kernel with its prologue (16 nodes; 17 with the root folded into the state first) and
+    the path past one tile (the prologue kernel + the two-pass blocked kernel, its rule's blocks and
+    root fold): outputs and commit scratch."""
     from helpers import assert_rel
 
     from ddtree.model.presets import qwen36_27b_config
@@ -236,7 +237,7 @@ def test_blocked_tree_verify_at_27b_shapes_equals_tree_wy(precision):
     model = build_random_target(cfg, device=dev, dtype=torch.float32, seed=0, max_len=512)
     layer = model.layers[0].linear_attn
     g_ = torch.Generator().manual_seed(11)
-    for T in (17, 33, 65):
+    for T in (16, 17, 33, 65):
         parents = torch.tensor([-1] + [int(torch.randint(max(0, n - 3), n, (1,), generator=g_)) for n in range(1, T)])
         mask = ancestor_mask_from_parents(parents).to(dev)
         layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_).to(dev))
@@ -252,13 +253,19 @@ def test_blocked_tree_verify_at_27b_shapes_equals_tree_wy(precision):
 
         ref_out = scratch()
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=ref_out)
-        two = scratch()
-        o_two = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, s.window), layer.rec_state, mask, two,
-                                          precision)
         tol = 2e-5 if precision == "tf32x3" else 1e-5
-        assert_rel(o_two, o_ref, tol, f"blocked vs tree_wy T={T}")
-        for a_, b_ in zip(two, ref_out):
-            assert_rel(a_, b_, tol, f"scratch T={T}")
+        paths = {}
+        if T <= 17:  # (larger tiles at dk 128 are not the engine's path)
+            paths["one tile"] = lambda out: gdn_tree.gdn_tree_prologue(layer, proj, ext, s.window, layer.rec_state,
+                                                                       mask, out, precision)
+        if T >= 17:
+            paths["blocked"] = lambda out: gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, s.window),
+                                                                     layer.rec_state, mask, out, precision)
+        for name, run in paths.items():
+            got = scratch()
+            assert_rel(run(got), o_ref, tol, f"{name} vs tree_wy T={T}")
+            for a_, b_ in zip(got, ref_out):
+                assert_rel(a_, b_, tol, f"{name} scratch T={T}")
 
 
 _DEFERRED_BLOCK = """

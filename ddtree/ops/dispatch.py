@@ -18,9 +18,10 @@ from ddtree.ops import gdn_tree, triton_util
 from ddtree.ops.triton_util import tile  # noqa: F401  (re-exported: Kernels.tree's tiles)
 from ddtree.options import Options
 
-# Tree-verify kernel sizes: trees of up to this many nodes (and no more than fit the device's
-# shared memory: gdn_tree.max_nodes); with tree_kernel=auto also padded nodes x key width at most
-# TREE_TILE. An H200 measured 16 nodes at dk 128 and 32 at dk 64 faster than tree_wy's cuBLAS
+# Tree-verify kernel sizes: tiles of up to this many nodes (a tree's nodes after its root, folded
+# into the state first where that halves the tile: gdn_tree.tile_root; and no more than fit the
+# device's shared memory: gdn_tree.max_nodes); with tree_kernel=auto also padded nodes x key width
+# at most TREE_TILE. An H200 measured 16 nodes at dk 128 and 32 at dk 64 faster than tree_wy's cuBLAS
 # path, 32 at dk 128 ~70 us per layer slower. Ampere keeps 2048, unmeasured there: the larger
 # tiles already lost on the H200, and an sm_86 SM has the same register file (ptxas spills alike
 # on both) with less shared memory and about a quarter of the TF32 throughput, so the crossover
@@ -39,8 +40,8 @@ TREE_TILE = 2048
 # Without the fold, 65 nodes (5 blocks) had lost 2.4 ms a round (`git show 7b04cc0:results/engine-blocked65-h200.log`);
 # past 65 nodes the blocks are unmeasured in the engine.
 TREE_BLOCKED_MAX_NODES = 65
-# The one-tile kernel takes the prologue inside up to this many nodes: with tree_kernel=on, 65 to
-# 128 nodes at the 27B's dk 128 would need 288 KB of shared memory on sm_90 with tf32x3, past any
+# The one-tile kernel takes the prologue inside for tiles of up to this many nodes: with
+# tree_kernel=on, tiles of 65 to 128 nodes at the 27B's dk 128 would need 288 KB of shared memory on sm_90 with tf32x3, past any
 # GPU's block (docs/AMPERE.md), so those trees keep the torch prologue ahead of the kernel.
 TREE_PROLOGUE_ONE_TILE_MAX_NODES = 64
 
@@ -51,7 +52,7 @@ class Kernels:
 
     triton: bool = False  # GDN step, commits, tree build
     walk: bool = False  # the walk kernel
-    tree_max_nodes: int = 0  # tree-verify GDN kernel for 1 < T <= this
+    tree_max_nodes: int = 0  # tree-verify GDN kernel for tiles of 2..this nodes (after a folded root)
     tree_tile: int = TREE_TILE  # ... and padded nodes x key width at most this
     tree_precision: str = "ieee"
     tree_prologue: int = 0  # the GDN prologue in Triton for T <= this: inside the one-tile kernel, or one kernel ahead of the blocks
@@ -62,14 +63,16 @@ class Kernels:
     fused_prefix: bool = False  # a verify's committed prefix through cuDNN's attention (tree_attention's floor)
 
     def tree(self, T: int, dk: int) -> bool:
-        """The one-kernel tree verify for a T-node tree of key width dk?"""
-        return 1 < T <= self.tree_max_nodes and tile(T) * tile(dk) <= self.tree_tile
+        """The one-kernel tree verify for a T-node tree of key width dk? Its tile holds the nodes
+        after a folded root (gdn_tree.tile_nodes: 17 nodes take the 16-node tile)."""
+        n = gdn_tree.tile_nodes(T)
+        return 1 < T and n <= self.tree_max_nodes and tile(n) * tile(dk) <= self.tree_tile
 
     def prologue(self, T: int, dk: int) -> bool:
         """The GDN prologue in Triton for this tree (inside the one-tile kernel, or gdn_tree.gdn_prologue ahead of the blocked one)?"""
         if T > self.tree_prologue:
             return False
-        return self.blocked(T, dk) or (self.tree(T, dk) and T <= TREE_PROLOGUE_ONE_TILE_MAX_NODES)
+        return self.blocked(T, dk) or (self.tree(T, dk) and gdn_tree.tile_nodes(T) <= TREE_PROLOGUE_ONE_TILE_MAX_NODES)
 
     def blocked(self, T: int, dk: int) -> bool:
         """The 16-node-block tree kernel (for trees the one-tile kernel does not take)?"""

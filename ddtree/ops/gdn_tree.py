@@ -100,49 +100,76 @@ def _gdn_tree_kernel(
     ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr,
-    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
+    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr, ROOT: tl.constexpr,
 ):
     # One program per (value head, block of BV value channels): the solve is column-wise in v, so
     # the blocks are independent; each recomputes the [T, T] masks (cheap) and keeps few live tiles.
+    # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
+    # first, S' = e^g0 S + k0 u0^T, and the tile takes nodes 1.. against S' (decays relative to it):
+    # a tree of 16m + 1 nodes fits the tile of 16m (as _gdn_tree_solve_kernel's ROOT).
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0  # writes the head's k and c scratch
     f32 = tl.float32
     ot = tl.arange(0, BT)
+    rows = ROOT + ot  # the tile's nodes
     ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)
-    mt, mk, mv = ot < T, ok < DK, ov < DV
+    mt, mk, mv = rows < T, ok < DK, ov < DV
     mtk = mt[:, None] & mk[None, :]
     mtv = mt[:, None] & mv[None, :]
-    if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
+    if PROLOGUE:
         cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
-        Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, ot, mt, mk, mv, DK, W)
-        gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, ot, mt)  # b, a after qkv and z
-    else:
-        K = tl.load(k + ot[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
-        gg = tl.load(g + ot * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
-        bb = tl.load(beta + ot * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
-    tl.store(kbuf + h * s_kbh + ot[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
-    on_path = tl.load(mask + ot[:, None] * T + ot[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
-    c = tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
-    tl.store(cbuf + h * s_cbh + ot, c, mask=mt & first)
-    decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
-    ec = tl.exp(c)
+        zb = C + HV * DV  # the projection's b, a columns come after qkv and z
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    c0 = 0.0
+    if ROOT:  # the root's step on the state; its row of every output
+        if PROLOGUE:  # row 0 as a 2-row tile (the other row masked to 0), summed down to vectors
+            r0 = tl.arange(0, 2)
+            m0 = r0 < 1
+            Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, r0, m0, mk, mv, DK, W)
+            g0, b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, r0, m0)
+            q0, k0, v0, c0, b0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0), tl.sum(g0, 0), tl.sum(b0, 0)
+        else:
+            q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)  # [BK]
+            k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)
+            v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
+            c0 = tl.load(g + h * s_gh).to(f32)
+            b0 = tl.load(beta + h * s_bh).to(f32)
+        e0 = tl.exp(c0)
+        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
+        tl.store(o + h * s_oh + ov, e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0, mask=mv)
+        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
+        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
+        tl.store(cbuf + h * s_cbh, c0, mask=first)
+        S = e0 * S + k0[:, None] * u0[None, :]
+    if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
+        Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, rows, mt, mk, mv, DK, W)
+        gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mt)
+    else:
+        K = tl.load(k + rows[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
+        gg = tl.load(g + rows * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
+        bb = tl.load(beta + rows * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
+    tl.store(kbuf + h * s_kbh + rows[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
+    on_path = tl.load(mask + rows[:, None] * T + rows[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
+    c = c0 + tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
+    tl.store(cbuf + h * s_cbh + rows, c, mask=mt & first)
+    decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
+    ec = tl.exp(c - c0)  # (ROOT: against S', the root's decay taken out)
     if not PROLOGUE:
-        V = tl.load(v + ot[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+        V = tl.load(v + rows[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
     U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision=PREC))  # right-hand side, solved in place
     kk = tl.dot(K, tl.trans(K), input_precision=PREC)  # [BT, BT]
     A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
     if not PROLOGUE:
-        Q = tl.load(q + ot[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
+        Q = tl.load(q + rows[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
     O = ec[:, None] * tl.dot(Q, S, input_precision=PREC)
     Pm = decay * tl.dot(Q, tl.trans(K), input_precision=PREC)
     # (I + A) U = B without a serial substitution: A is strictly lower triangular (_squarings)
     U = _squarings(A, U - tl.dot(A, U, input_precision=PREC), NSQ, PREC)
     O += tl.dot(Pm, U, input_precision=PREC)
-    tl.store(o + ot[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
-    tl.store(ubuf + h * s_ubh + ot[:, None] * s_ubt + ov[None, :], U, mask=mtv)
+    tl.store(o + rows[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
+    tl.store(ubuf + h * s_ubh + rows[:, None] * s_ubt + ov[None, :], U, mask=mtv)
 
 
 def _gdn_prologue_kernel(
@@ -190,7 +217,7 @@ def _gdn_tree_mats_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr, LD: tl.constexpr,
 ):
     # The blocked recurrence's first pass: everything that does not depend on the values, one
     # program per (block b of SB nodes, value head). Row block b of the per-head [T, T] matrices:
@@ -217,7 +244,7 @@ def _gdn_tree_mats_kernel(
     Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
     tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk)
     bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
-    base = h * T * T
+    base = h * LD * LD  # wm, pm [H, LD, LD]: the nodes after the root, rows of 16-aligned LD
     kh, qh = k + h * s_kh, q + h * s_qh
     for c in range(b):  # the earlier blocks: through the ancestor mask
         rc = ROOT + c * SB + os_
@@ -225,7 +252,7 @@ def _gdn_tree_mats_kernel(
         c_c = tl.sum(tl.where(on_c, g_all[None, :], 0.0), 1)
         on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
         dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
-        at = base + rb[:, None] * T + rc[None, :]
+        at = base + (rb - ROOT)[:, None] * LD + (rc - ROOT)[None, :]
         kk = _kdot(kh, s_kt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
         qk = _kdot(qh, s_qt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
         tl.store(wm + at, bb[:, None] * dec * kk, mask=mb[:, None])
@@ -236,7 +263,7 @@ def _gdn_tree_mats_kernel(
     qk = _kdot(qh, s_qt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
     A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * kk, 0.0)
     E = _squarings(A, tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A, NSQ, PREC)  # (I + A)^-1
-    at = base + rb[:, None] * T + rb[None, :]
+    at = base + (rb - ROOT)[:, None] * LD + (rb - ROOT)[None, :]
     mbb = mb[:, None] & mb[None, :]
     tl.store(wm + at, E, mask=mbb)
     tl.store(pm + at, dec * qk, mask=mbb)
@@ -246,35 +273,36 @@ def _gdn_tree_mats_head_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr,
 ):
     # _gdn_tree_mats_kernel's matrices for a whole head in one program: [BN, BN] tiles over the
     # nodes after the root (BN >= 64: the tile products are warp-group MMAs on Hopper, and no
     # operand is replicated across warps), every block's solve at once as squarings of the
     # block-diagonal part.
+    # The tile holds every node after the root (BN >= T - ROOT), so each path sums over the tile's
+    # [BN, BN] mask, plus the root's log-decay (an ancestor of every node).
     h = tl.program_id(0)
     f32 = tl.float32
-    oa = tl.arange(0, BT)
-    ma = oa < T
-    g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
     on = tl.arange(0, BN)
     r = ROOT + on
     mr = r < T
     ok = tl.arange(0, BK)
     mk = ok < DK
-    on_r = tl.load(mask + r[:, None] * T + oa[None, :], mask=mr[:, None] & ma[None, :], other=0) != 0  # [BN, BT]
-    c = tl.sum(tl.where(on_r, g_all[None, :], 0.0), 1)  # [BN]
+    mrr = mr[:, None] & mr[None, :]
+    on_rr = tl.load(mask + r[:, None] * T + r[None, :], mask=mrr, other=0) != 0  # [BN, BN]
+    g_r = tl.load(g + r * s_gt + h * s_gh, mask=mr, other=0.0).to(f32)  # [BN]
+    c = tl.sum(tl.where(on_rr, g_r[None, :], 0.0), 1)  # [BN]
+    if ROOT:
+        c += tl.load(g + h * s_gh).to(f32)
     tl.store(cbuf + h * s_cbh + r, c, mask=mr)
     mrk = mr[:, None] & mk[None, :]
     K = tl.load(k + r[:, None] * s_kt + h * s_kh + ok[None, :], mask=mrk, other=0.0).to(f32)  # [BN, BK]
     tl.store(kbuf + h * s_kbh + r[:, None] * s_kbt + ok[None, :], K, mask=mrk)
     bb = tl.load(beta + r * s_bt + h * s_bh, mask=mr, other=0.0).to(f32)
-    mrr = mr[:, None] & mr[None, :]
-    on_rr = tl.load(mask + r[:, None] * T + r[None, :], mask=mrr, other=0) != 0  # [BN, BN]
     dec = tl.exp(tl.where(on_rr, c[:, None] - c[None, :], float("-inf")))  # masked before exp
     A = tl.where(on[None, :] < on[:, None], bb[:, None] * dec * tl.dot(K, tl.trans(K), input_precision=PREC), 0.0)
     Q = tl.load(q + r[:, None] * s_qt + h * s_qh + ok[None, :], mask=mrk, other=0.0).to(f32)
-    at = h * T * T + r[:, None] * T + r[None, :]
+    at = h * LD * LD + on[:, None] * LD + on[None, :]  # wm, pm as _gdn_tree_mats_kernel's
     tl.store(pm + at, dec * tl.dot(Q, tl.trans(K), input_precision=PREC), mask=mrr)
     same = (on[:, None] // SB) == (on[None, :] // SB)  # the diagonal blocks
     Ad = tl.where(same, A, 0.0)
@@ -287,7 +315,7 @@ def _gdn_tree_solve_kernel(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr,
 ):
     # The blocked recurrence's second pass, one program per (value head, block of BV value
     # channels), the blocks in order (ancestors come first): U[b] = wm[b, b] (R[b] - sum_c<b
@@ -322,7 +350,7 @@ def _gdn_tree_solve_kernel(
         tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
         tl.store(cbuf + h * s_cbh, c0, mask=first)
         S = e0 * S + k0[:, None] * u0[None, :]
-    base = h * T * T
+    base = h * LD * LD  # wm, pm [H, LD, LD] over the nodes after the root (the first pass's)
     for b in range(NB):
         rb = ROOT + b * SB + os_
         mb = rb < T
@@ -339,10 +367,10 @@ def _gdn_tree_solve_kernel(
         for c in range(b):  # the earlier blocks' solved U
             rc = ROOT + c * SB + os_
             Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
-            at = base + rb[:, None] * T + rc[None, :]
+            at = base + (rb - ROOT)[:, None] * LD + (rc - ROOT)[None, :]
             R -= tl.dot(tl.load(wm + at, mask=mb[:, None], other=0.0), Uc, input_precision=PREC)
             O += tl.dot(tl.load(pm + at, mask=mb[:, None], other=0.0), Uc, input_precision=PREC)
-        at = base + rb[:, None] * T + rb[None, :]
+        at = base + (rb - ROOT)[:, None] * LD + (rb - ROOT)[None, :]
         mbb = mb[:, None] & mb[None, :]
         U = tl.dot(tl.load(wm + at, mask=mbb, other=0.0), R, input_precision=PREC)
         O += tl.dot(tl.load(pm + at, mask=mbb, other=0.0), U, input_precision=PREC)
@@ -374,9 +402,10 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     root = fold_root(T, block) if root is None else bool(root)
     BV, warps = tiles or blocked_tiles(block, dv)
     prec = triton_util.dot_precision(precision, a)
-    wm, pm = (torch.empty(H, T, T, dtype=torch.float32, device=S0.device) for _ in range(2))  # [H, T, T] each
+    LD = max(16, -(-(T - root) // 16) * 16)  # the nodes after the root, rows aligned to 16 elements
+    wm, pm = (torch.empty(H, LD, LD, dtype=torch.float32, device=S0.device) for _ in range(2))
     mat_args = (q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:], kb.stride(0), kb.stride(1), cb.stride(0))
-    consts = dict(T=T, DK=dk, BT=_tile(T), SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root),
+    consts = dict(T=T, DK=dk, BT=_tile(T), SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root), LD=LD,
                   NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4)
     chunk = MATS_CHUNK if chunk is None else chunk
     solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
@@ -391,7 +420,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
             q, k, v, g, beta, S0, wm, pm, o, kb, ub, cb,
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), num_warps=warps,
+            T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), LD=LD, num_warps=warps,
         )
     return o
 
@@ -444,27 +473,43 @@ def fold_root(T: int, block: int = 16) -> bool:
     return T > 1 and (T - 1) % block == 0
 
 
+def tile_nodes(T: int, root: bool | None = None) -> int:
+    """The nodes the one-tile kernel holds in its tile for a T-node tree: T, or T - 1 with the
+    root folded into the state first (root None: tile_root's rule)."""
+    return T - int(tile_root(T) if root is None else root)
+
+
+def tile_root(T: int) -> bool:
+    """Fold a T-node tree's root into the state ahead of the one-tile kernel's tile? Where that
+    halves the tile (T = 2^n + 1: a budget-16 tree's 17 nodes in a 16-node tile, as budget 15's
+    16): the fold is one more step ahead of it."""
+    return T > 2 and _tile(T - 1) < _tile(T)
+
+
 @eager  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
-def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None):
+def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, root: bool | None = None):
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
     channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
     does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
-    path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps). -> o [T, H, dv] fp32."""
+    path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps); root: node 0 is
+    an ancestor of every node (true of every verify tree; not checked), folded into the state
+    first; None: tile_root's rule. -> o [T, H, dv] fp32."""
     T, H, dk = q.shape
     strides = _input_strides(q, k, v, g, beta)
-    return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles)
+    return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles,
+                        root)
 
 
 @eager
 def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
-                      precision: str = "ieee", tiles=None):
+                      precision: str = "ieee", tiles=None, root: bool | None = None):
     """The tree verify of GDN layer `layer` from its projection: the tree convolution + SiLU, q/k
     l2 norms, head repeat and gates (GatedDeltaNet.qkvgb) and then gdn_tree's recurrence, in one
     kernel. proj [T, N] the fused input projection (qkv | z | b | a); ext [hist + T, C] the conv
     inputs (state rows, then proj's qkv); window [T, width]. -> o [T, hv, dv] fp32, `out` written
-    as gdn_tree writes it. Twin: qkvgb + gdn_tree (tests/ops/test_gdn_kernels.py)."""
+    as gdn_tree writes it; root as gdn_tree's. Twin: qkvgb + gdn_tree (tests/ops/test_gdn_kernels.py)."""
     return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, proj.shape[0], layer.hv,
-                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles)
+                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles, root)
 
 
 def _prologue_args(layer, proj, ext, window) -> tuple:
@@ -486,7 +531,7 @@ def blocked_tiles(block: int, dv: int) -> tuple[int, int]:
 
 
 def launch_tiles(T: int, dv: int) -> tuple[int, int]:
-    """(BV value channels per program, warps) for a T-node tree."""
+    """(BV value channels per program, warps) for a tile of T nodes."""
     return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4
 
 
@@ -507,11 +552,13 @@ def _mask_and_output(path_mask, out, S0, T: int, H: int, dv: int):
     return path_mask.contiguous().view(torch.int8), torch.empty(T, H, dv, dtype=torch.float32, device=S0.device)
 
 
-def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None):
+def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None,
+                 root: bool | None = None):
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
-    BT = _tile(T)
-    BV, warps = tiles or launch_tiles(T, dv)
+    n = tile_nodes(T, root)  # the tile's nodes (after the root, folded)
+    BT = _tile(n)
+    BV, warps = tiles or launch_tiles(n, dv)
     prologue = pro is not None
     if not prologue:  # the prologue's pointer / int arguments go unused
         pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
@@ -523,7 +570,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             *pro[:9],
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
-            NSQ=max(0, (T - 1).bit_length() - 1), num_warps=warps,
+            NSQ=max(0, (n - 1).bit_length() - 1), num_warps=warps, ROOT=T - n,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
             PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
         )

@@ -159,7 +159,9 @@ def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, bud
 
 
 TREE_KERNELS = {
-    "gdn_tree": lambda *a: gdn_tree.gdn_tree(*a),
+    "gdn_tree": lambda *a: gdn_tree.gdn_tree(*a),  # tile_root's rule: 17 / 33 / 65 nodes fold the root
+    "gdn_tree_root": lambda *a: gdn_tree.gdn_tree(*a, root=True),
+    "gdn_tree_noroot": lambda *a: gdn_tree.gdn_tree(*a, root=False),
     "gdn_tree_blocked": lambda *a: gdn_tree.gdn_tree_blocked(*a),  # block_nodes' and fold_root's rules
     "gdn_tree_blocked16": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=False),
     "gdn_tree_blocked16_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=True),
@@ -173,7 +175,8 @@ TREE_KERNELS = {
 @pytest.mark.parametrize("kernel", list(TREE_KERNELS))
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_tree_kernel_matches_tree_wy(cfg, kernel):
-    """The tree-verify kernel (whole tiles; by blocks of 16 or 64 nodes, the first pass per block
+    """The tree-verify kernel (whole tiles, with or without the root folded into the state first;
+    by blocks of 16 or 64 nodes, the first pass per block
     or per head, its key products in chunks of the default width or of 16 channels, with or
     without the root folded into the state first) against gdn.tree_wy on
     random trees of 2..65 nodes rooted at node 0 (one block, a full one, two to five, the last
@@ -207,7 +210,8 @@ def test_tree_kernel_matches_tree_wy(cfg, kernel):
 def test_tree_prologue_kernel_matches_torch_prologue(cfg):
     """The tree kernel with the layer's prologue inside (tree convolution + SiLU from the conv
     inputs, q/k l2 norms, head repeat, gates from the projection) against qkvgb + tree_wy on random
-    trees and random conv states: outputs, commit scratch, and the whole mixer's output."""
+    trees and random conv states, with and without the root folded into the state first: outputs,
+    commit scratch, and the whole mixer's output."""
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(6)
@@ -218,11 +222,12 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
         ref = [t.clone() for t in scratch]
         proj = layer.in_proj(x)
-        got = [torch.zeros_like(t) for t in scratch]
-        o = gdn_tree.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got)
-        ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"T={T}"))
-        for a, b in zip(got, ref):
-            ERR.note("tree prologue scratch", assert_rel(a, b, 1e-5, f"T={T}"))
+        for root in (None, True, False):  # tile_root's rule (17, 33: folded), always, never
+            got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
+            o = gdn_tree.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got, root=root)
+            ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"T={T} root={root}"))
+            for a, b in zip(got, ref):
+                ERR.note("tree prologue scratch", assert_rel(a, b, 1e-5, f"T={T} root={root}"))
         want = layer.forward(x, s)  # the torch prologue (the model's default Kernels on CPU: no kernels) ...
         ERR.note("tree prologue mixer", assert_rel(layer._tree_fused(x, s), want, 1e-5, f"T={T}"))
 
@@ -255,7 +260,7 @@ def test_prologue_kernel_matches_qkvgb(cfg):
             assert a.shape == b.shape, name
             ERR.note("prologue kernel", assert_rel(a, b.float(), 1e-5, f"{name} T={T}"))
         fused = dataclasses.replace(s, kernels=fast)
-        assert fast.prologue(T, layer.dk) and fast.blocked(T, layer.dk) == (T > 32)  # (auto's one tile: 32 nodes here)
+        assert fast.prologue(T, layer.dk) and fast.blocked(T, layer.dk) == (T > 33)  # (auto's one tile here: 32 nodes after a folded root)
         ERR.note("prologue kernel mixer", assert_rel(layer._tree_fused(x, fused), layer.forward(x, s), 1e-5, f"T={T}"))
 
 

@@ -478,28 +478,31 @@ def test_h200_choices_unchanged(opt):
 
 @pytest.mark.parametrize("opt", SWITCHES, ids=lambda o: f"{o.tree_kernel}-{o.tree_precision}-{o.tree_prologue}-{o.triton}")
 def test_a6000_choices(opt):
-    """An A6000 gets the H200's choices but the tree kernel's size: trees of up to 64 nodes with
-    tree_kernel=on (auto's 32-node, 2048-element limit is under it), tf32x3 as asked."""
+    """An A6000 gets the H200's choices but the tree kernel's size: tiles of up to 64 nodes with
+    tree_kernel=on (65 with the root folded; auto's 32-node, 2048-element limit is under it),
+    tf32x3 as asked."""
     old, new = _old_resolve(opt), dispatch.resolve(opt, "cuda", A6000)
     assert new == dataclasses.replace(old, tree_max_nodes=min(old.tree_max_nodes, 64))
     if opt.triton:
         k = dispatch.resolve(opt, "cuda", A6000)
-        assert k.tree(64, 64) == (opt.tree_kernel == "on") and not k.tree(65, 64)
+        assert k.tree(64, 64) == k.tree(65, 64) == (opt.tree_kernel == "on") and not k.tree(66, 64)
 
 
 @pytest.mark.parametrize("props", [H200, A6000], ids=["h200", "a6000"])
 def test_each_tree_size_takes_one_tree_kernel(props):
-    """At the 27B's dk 128, a tree of 2..129 nodes takes at most one of the two tree kernels:
-    auto the one-tile kernel up to 16 nodes and 16-node blocks up to TREE_BLOCKED_MAX_NODES; on
-    the one-tile kernel as far as shared memory allows (128 / 64 nodes) and blocks past that up to
-    the same bound; off and no Triton neither (tree_wy)."""
-    one = {"auto": 16, "on": gdn_tree.max_nodes(_arch(props))}
+    """At the 27B's dk 128, a tree of 2..130 nodes takes at most one of the two tree kernels:
+    auto the one-tile kernel up to 17 nodes (16 in the tile after the root, folded) and blocks up
+    to TREE_BLOCKED_MAX_NODES; on the one-tile kernel as far as shared memory allows (tiles of 128
+    / 64 nodes: 129 / 65 nodes) and blocks past that up to the same bound; off and no Triton
+    neither (tree_wy)."""
+    one = {"auto": 16, "on": gdn_tree.max_nodes(_arch(props))}  # the largest tile
     for mode in ("auto", "on", "off"):
         for triton_on in (True, False):
             k = dispatch.resolve(Options(tree_kernel=mode, triton=triton_on), "cuda", props)
-            for T in range(2, 130):
-                want = ("none" if mode == "off" or not triton_on or T > 128
-                        else "tree" if T <= one[mode] else "blocked" if T <= dispatch.TREE_BLOCKED_MAX_NODES else "none")
+            for T in range(2, 131):
+                fits = T <= one.get(mode, 0) or T == one.get(mode, 0) + 1  # the root folded: 17, 65, 129
+                want = ("none" if mode == "off" or not triton_on
+                        else "tree" if fits else "blocked" if T <= dispatch.TREE_BLOCKED_MAX_NODES else "none")
                 got = "tree" if k.tree(T, 128) else "blocked" if k.blocked(T, 128) else "none"
                 assert got == want, (mode, triton_on, T)
                 assert not (k.tree(T, 128) and k.blocked(T, 128))
@@ -508,19 +511,18 @@ def test_each_tree_size_takes_one_tree_kernel(props):
 @pytest.mark.parametrize("props", [H200, A6000], ids=["h200", "a6000"])
 def test_prologue_sizes(props):
     """Where the GDN prologue runs in Triton at the 27B's dk 128 under the default prologue limit
-    (65): inside the one-tile kernel up to 64 nodes (never the 65..128-node tiles tree_kernel=on
-    makes: 288 KB of shared memory on sm_90), ahead of the blocks for 17..65 nodes, nowhere past
-    the limit; and under a limit of 0 nowhere."""
+    (65): inside the one-tile kernel for tiles of up to 64 nodes (65 with the root folded; never
+    the 65..128-node tiles tree_kernel=on makes: 288 KB of shared memory on sm_90), ahead of the
+    blocks for 18..65 nodes, nowhere past the limit; and under a limit of 0 nowhere."""
     for mode in ("auto", "on"):
         k = dispatch.resolve(Options(tree_kernel=mode), "cuda", props)
         assert k.tree_prologue == 65
-        for T in range(2, 130):
-            want = T <= 65 and (k.blocked(T, 128) or (k.tree(T, 128) and T <= 64))
+        for T in range(2, 131):
+            want = T <= 65 and (k.blocked(T, 128) or (k.tree(T, 128) and gdn_tree.tile_nodes(T) <= 64))
             assert k.prologue(T, 128) == want, (mode, T)
-        if mode == "on" and props is H200:  # 65 nodes in one tile there, with the torch prologue
-            assert k.tree(65, 128) and not k.prologue(65, 128) and k.prologue(64, 128)
-        else:  # every tree of up to 65 nodes
-            assert all(k.prologue(T, 128) for T in range(2, 66))
+        assert all(k.prologue(T, 128) for T in range(2, 66))  # every tree of up to 65 nodes
+        if mode == "on" and props is H200:  # 66 nodes in a 128-node tile there, with the torch prologue
+            assert k.tree(66, 128) and not k.prologue(66, 128) and k.prologue(65, 128)
         off = dispatch.resolve(Options(tree_kernel=mode, tree_prologue=0), "cuda", props)
         assert not any(off.prologue(T, 128) for T in range(2, 130))
 
@@ -566,15 +568,18 @@ def _tree_launches(monkeypatch, props, T: int, dk: int, dv: int, precision: str,
 
 @pytest.mark.parametrize("props", [H200, A6000], ids=["h200", "a6000"])
 def test_tree_kernel_tiles(monkeypatch, props):
-    """gdn_tree's tiles for every tree size: the H200's rule (unchanged), the same on an A6000
-    (only the largest tree it takes differs, in dispatch)."""
-    for T in range(2, 129):
+    """gdn_tree's tiles for every tree size: the H200's rule, the same on an A6000 (only the
+    largest tree it takes differs, in dispatch). The tile holds the nodes after the root where
+    folding the root halves it (17, 33, 65, 129 nodes), else every node."""
+    for T in range(2, 130):
+        root = T - 1 in (16, 32, 64, 128)
+        n = T - root
         for dk in (64, 128):
             (launch,) = _tree_launches(monkeypatch, props, T, dk, dk, "tf32x3")
             c = launch.kwargs
-            BT = max(16, 1 << (T - 1).bit_length())
-            got = (c["BT"], c["BK"], c["BV"], c["NSQ"], c["num_warps"], c["PREC"])
-            assert got == (BT, dk, 32, max(0, (T - 1).bit_length() - 1), 8 if BT > 32 else 4, "tf32x3"), (T, dk)
+            BT = max(16, 1 << (n - 1).bit_length())
+            got = (c["BT"], c["BK"], c["BV"], c["NSQ"], c["num_warps"], c["PREC"], c["ROOT"])
+            assert got == (BT, dk, 32, max(0, (n - 1).bit_length() - 1), 8 if BT > 32 else 4, "tf32x3", int(root)), (T, dk)
 
 
 def test_tf32x3_falls_back_to_ieee_without_tf32_tensor_cores(monkeypatch):
