@@ -65,8 +65,10 @@ class Kernels:
     def tree(self, T: int, dk: int) -> bool:
         """The one-kernel tree verify for a T-node tree of key width dk? Its tile holds the nodes
         after a folded root (gdn_tree.tile_nodes: 17 nodes take the 16-node tile)."""
+        if not 1 < T <= self.tree_max_nodes + 1:  # (first: T is symbolic in compiled layers, and
+            return False  # the tile's arithmetic would guard on it where no kernel runs)
         n = gdn_tree.tile_nodes(T)
-        return 1 < T and n <= self.tree_max_nodes and tile(n) * tile(dk) <= self.tree_tile
+        return n <= self.tree_max_nodes and tile(n) * tile(dk) <= self.tree_tile
 
     def prologue(self, T: int, dk: int) -> bool:
         """The GDN prologue in Triton for this tree (inside the one-tile kernel, or gdn_tree.gdn_prologue ahead of the blocked one)?"""
