@@ -522,12 +522,14 @@ def _prologue_args(layer, proj, ext, window) -> tuple:
 
 
 def blocked_tiles(block: int, dv: int) -> tuple[int, int]:
-    """(BV, warps) of gdn_tree_blocked's second pass for blocks of `block` nodes: 64 value
-    channels for 16-node blocks, 32 for blocks of 64 (64 spilled there), 4 warps. An H200
-    measured, dv 128: 17.0 / 16.1 us at 17 nodes with 4 / 8 warps and BV 64; at 64 nodes in one
-    block 36.2 / 46.7 us with BV 32 and 4 / 8 warps, 37.6 / 40.7 with BV 64, 42.1 with BV 16
+    """(BV, warps) of gdn_tree_blocked's second pass: 32 value channels, 4 warps, for blocks of 16
+    and of 64 nodes. An H100 measured the recurrence alone at 33 nodes, dk = dv = 128, in 16-node
+    blocks with the root folded: 22.7 us at BV 32 / 4 warps against 24.6 at BV 64 / 4 (ptxas
+    spills 192 bytes a thread there, none at BV 32), 24.0 at BV 64 / 8 and 32.2 at BV 32 / 8
+    (results/verify-sweep33-h100.json); an H200 at 64 nodes in one block 36.2 us at BV 32 / 4
+    against 46.7 at 8 warps, 37.6 / 40.7 at BV 64, 42.1 at BV 16
     (results/verify-core-2pass-h200.json)."""
-    return min(64 if block < HEAD_BLOCK else 32, _tile(dv)), 4
+    return min(32, _tile(dv)), 4
 
 
 def launch_tiles(T: int, dv: int) -> tuple[int, int]:

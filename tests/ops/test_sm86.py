@@ -530,16 +530,16 @@ def test_prologue_sizes(props):
 @pytest.mark.parametrize("props", [H200, A6000], ids=["h200", "a6000"])
 def test_blocked_kernel_tiles(monkeypatch, props):
     """gdn_tree_blocked's launches: 16-node blocks up to 33 nodes (everywhere past 33 below
-    Hopper), the first pass a program per block and head, 64 value channels; past that on Hopper
-    one block of 64 nodes, the first pass a program per head (64-node tiles: warp-group MMAs),
-    32 value channels; the root folded into the state first where that saves a block (16m + 1
+    Hopper), the first pass a program per block and head; past that on Hopper one block of 64
+    nodes, the first pass a program per head (64-node tiles: warp-group MMAs); 32 value channels
+    in the second pass; the root folded into the state first where that saves a block (16m + 1
     nodes, or 65 in a block of 64); 4 warps."""
     hopper = props is H200
     for T, dk, dv in ((17, 128, 128), (32, 128, 128), (33, 128, 128), (34, 128, 128), (48, 128, 64), (64, 128, 128),
                       (65, 128, 128), (128, 64, 32), (20, 64, 16)):
         block = 64 if hopper and T > 33 else 16
         root = int((T - 1) % block == 0)
-        bv = min(32 if block == 64 else 64, max(16, dv))
+        bv = min(32, max(16, dv))
         first, solve = _tree_launches(monkeypatch, props, T, dk, dv, "tf32x3", gdn_tree.gdn_tree_blocked)
         want = "_gdn_tree_mats_head_kernel" if block == 64 else "_gdn_tree_mats_kernel"
         assert first.fn.__name__ == want and solve.fn.__name__ == "_gdn_tree_solve_kernel", (T, first.fn.__name__)
