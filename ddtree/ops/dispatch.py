@@ -41,8 +41,9 @@ TREE_TILE = 2048
 # past 65 nodes the blocks are unmeasured in the engine.
 TREE_BLOCKED_MAX_NODES = 65
 # The one-tile kernel takes the prologue inside for tiles of up to this many nodes: with
-# tree_kernel=on, tiles of 65 to 128 nodes at the 27B's dk 128 would need 288 KB of shared memory on sm_90 with tf32x3, past any
-# GPU's block (docs/AMPERE.md), so those trees keep the torch prologue ahead of the kernel.
+# tree_kernel=on, tiles of 65 to 128 nodes at the 27B's dk 128 would need 288 KB of shared memory
+# on sm_90 with tf32x3, past any GPU's block (docs/AMPERE.md), so those trees keep the torch
+# prologue ahead of the kernel.
 TREE_PROLOGUE_ONE_TILE_MAX_NODES = 64
 
 

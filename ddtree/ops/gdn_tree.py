@@ -220,7 +220,8 @@ def _gdn_tree_mats_kernel(
     NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr, LD: tl.constexpr,
 ):
     # The blocked recurrence's first pass: everything that does not depend on the values, one
-    # program per (block b of SB nodes, value head). Row block b of the per-head [T, T] matrices:
+    # program per (block b of SB nodes, value head). Row block b of the per-head matrices over the
+    # nodes after the root ([LD, LD], rows padded to 16 elements: aligned loads and stores):
     # wm[b, c] = A[b, c] (c < b; A[i, j] = beta_i e^(c_i - c_j) k_i.k_j, j a strict ancestor of i)
     # and wm[b, b] = (I + A[b, b])^-1 (squarings, as _gdn_tree_kernel); pm[b, c] = e^(c_i - c_j)
     # q_i.k_j over ancestors and the node itself (c <= b). Also the commit scratch's k and c rows.
