@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -88,8 +89,6 @@ def kernel_category(name: str) -> str:
 
 def kernel_times(prof, width: int | None = None) -> dict[str, list]:
     """A torch.profiler run's CUDA kernels: name (cut to `width` characters) -> [launches, device us]."""
-    from collections import defaultdict
-
     per = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -101,7 +100,6 @@ def kernel_times(prof, width: int | None = None) -> dict[str, list]:
 def profile_kernels(fn, reps: int = 3, top: int = 30) -> dict:
     """fn() (a graph replay or a decode) `reps` times under torch.profiler: device time per call by
     category (kernel_category) and the `top` kernels by time, in us per call."""
-    from collections import defaultdict
     from torch.profiler import ProfilerActivity, profile
 
     fn()

@@ -152,8 +152,9 @@ def capture_ahead(dec, plan: list, encoded: list, sampling, n_new: int, top1_fir
     n = 0
     if not getattr(dec, "use_graphs", False):
         return n
+    one_per_length = {len(ids): ids for _, ids in encoded}.values()
     for method, budget in plan:
-        for ids in {len(ids): ids for _, ids in encoded}.values():
+        for ids in one_per_length:
             job = dec.job(method, budget if budget is not None else DEFAULT_BUDGET, sampling, n_new, 0, top1_first, len(ids))
             dec.prefill(ids, job)
             n += auto_budget.capture_ahead(dec, job, len(ids))

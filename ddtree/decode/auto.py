@@ -105,6 +105,12 @@ def policy_for(dec, method: str, budget: int, k: int, chooser: BudgetChooser | N
     return Chain(dec.block_size, budget, k)
 
 
+def pipelined(dec, job) -> bool:
+    """Do a job's rounds run on the device pipeline? Not --top1-first ddtree, not under
+    DDTREE_HOST_ROUNDS=1: the host-tree loop runs those."""
+    return not dec.options.host_rounds and not (job.top1_first and job.method == "ddtree")
+
+
 def capture_ahead(dec, job, prompt_len: int, eager: bool = False) -> int:
     """Capture every graph piece a generation of `job` (Decoder.job) from a prompt of prompt_len
     tokens can run, whatever --budget auto chooses: each plan its policy can return
@@ -118,8 +124,7 @@ def capture_ahead(dec, job, prompt_len: int, eager: bool = False) -> int:
     `eager` (tests: each piece runs once, eagerly). -> pieces captured."""
     from ddtree.decode.round import Pipeline  # (the rounds' module imports this one's policies)
 
-    host_loop = dec.options.host_rounds or (job.top1_first and job.method == "ddtree")
-    if not (dec.use_graphs or eager) or host_loop:
+    if not (dec.use_graphs or eager) or not pipelined(dec, job):
         return 0
     sampling = job.sampling
     dec.start_d.fill_(prompt_len)

@@ -406,7 +406,7 @@ class Decoder:
         start = pre.prompt_len
         self.start_d.fill_(start)
         self.use_compile()  # (a short prefill ran the drafter eagerly)
-        pipeline = not self.options.host_rounds and not (job.top1_first and method == "ddtree")
+        pipeline = auto_budget.pipelined(self, job)
         chooser = auto_budget.calibrate(self, start, sampling.greedy, plain=pipeline) if job.auto and method == "ddtree" else None
         clock = StageClock(dev)
         rounds: list[RoundRecord] = []

@@ -273,7 +273,7 @@ def _gdn_tree_mats_kernel(
 def _gdn_tree_mats_head_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
-    T: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+    T: tl.constexpr, DK: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr,
 ):
     # _gdn_tree_mats_kernel's matrices for a whole head in one program: [BN, BN] tiles over the
@@ -406,7 +406,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     LD = max(16, -(-(T - root) // 16) * 16)  # the nodes after the root, rows aligned to 16 elements
     wm, pm = (torch.empty(H, LD, LD, dtype=torch.float32, device=S0.device) for _ in range(2))
     mat_args = (q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:], kb.stride(0), kb.stride(1), cb.stride(0))
-    consts = dict(T=T, DK=dk, BT=_tile(T), SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root), LD=LD,
+    consts = dict(T=T, DK=dk, SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root), LD=LD,
                   NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4)
     chunk = MATS_CHUNK if chunk is None else chunk
     solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
@@ -416,7 +416,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
                 *mat_args, BN=max(HEAD_BLOCK, _tile(T - root)), **consts)
         elif T > root:
             _kernel(_gdn_tree_mats_kernel, interpret=not S0.is_cuda)[(triton.cdiv(T - root, block), H)](
-                *mat_args, DC=min(chunk, _tile(dk)), **consts)
+                *mat_args, BT=_tile(T), DC=min(chunk, _tile(dk)), **consts)  # (BT: the path mask's columns)
         solve[(H, triton.cdiv(dv, BV))](
             q, k, v, g, beta, S0, wm, pm, o, kb, ub, cb,
             *strides, o.stride(0), o.stride(1),
