@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddtree.ops import commit as commit_kernels
-from ddtree.ops import attention, fla, gdn, gdn_step, gdn_tree
+from ddtree.ops import attention, fla, gated_norm, gdn, gdn_step, gdn_tree
 from ddtree.ops.eager import eager, eager_name
 from ddtree.ops.dispatch import REFERENCE, Kernels, apply_blas, resolve
 from ddtree.model.config import TargetConfig
@@ -208,22 +208,13 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, -1))
 
     def _tree_fused(self, x: torch.Tensor, s: Step) -> torch.Tensor:
-        """A tree's verify with the prologue in Triton (twin: the qkvgb path of forward): inside
-        the one-tile tree kernel (gdn_tree.gdn_tree_prologue), or for larger trees one kernel
-        (gdn_tree.gdn_prologue) ahead of the blocked recurrence (gdn_tree_blocked)."""
-        T, kn = x.shape[0], s.kernels
+        """A tree's verify with the mixer in Triton kernels (twin: the qkvgb path of forward):
+        tree_mixer between the projections."""
+        T = x.shape[0]
         proj, ext = self.project(x)
-        z = proj[:, self.conv_dim : self.conv_dim + self.hv * self.dv]
         kb, ub, cb = self.wy_bufs
-        scratch = (kb[:, :T], ub[:, :T], cb[:, :T])
-        if kn.tree(T, self.dk):
-            o = gdn_tree.gdn_tree_prologue(self, proj, ext, s.window, self.rec_state, s.path_mask, scratch,
-                                           kn.tree_precision)
-        else:
-            o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(self, proj, ext, s.window), self.rec_state,
-                                          s.path_mask, scratch, kn.tree_precision)
-        o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
-        return self.out_proj(o.reshape(T, -1))
+        o = tree_mixer(self, proj, ext, s.window, s.path_mask, (kb[:, :T], ub[:, :T], cb[:, :T]), s.kernels)
+        return self.out_proj(o)
 
     def prefill(self, x: torch.Tensor, c: "Chunk") -> torch.Tensor:
         """A prefill chunk x [T, hidden], committed as it goes: the causal conv over [conv_state;
@@ -358,6 +349,25 @@ eager_name(globals(), "tree_attention")
 # shapes on the host: compiled prefill layers run them eagerly between their fused pieces.
 chain_final = fla.chain_final
 eager_name(globals(), "chain_final")
+
+
+@eager
+def tree_mixer(layer: GatedDeltaNet, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor,
+               path_mask: torch.Tensor, scratch: tuple, kn: Kernels) -> torch.Tensor:
+    """GDN layer `layer`'s mixer for a tree verify from its projection, in Triton kernels: the
+    one-tile tree kernel with the prologue inside (gdn_tree.gdn_tree_prologue), or for larger
+    trees the prologue kernel ahead of the blocked recurrence, then the gated norm
+    (ddtree.ops.gated_norm). One eager call between the compiled projections: the tree's sizes
+    are host ints here, and nothing between the kernels is left to a resume frame's compile.
+    -> [T, hv * dv] in the model dtype."""
+    T = proj.shape[0]
+    if kn.tree(T, layer.dk):
+        o = gdn_tree.gdn_tree_prologue(layer, proj, ext, window, layer.rec_state, path_mask, scratch, kn.tree_precision)
+    else:
+        o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, window), layer.rec_state, path_mask,
+                                      scratch, kn.tree_precision)
+    z = proj[:, layer.conv_dim : layer.conv_dim + layer.hv * layer.dv]
+    return gated_norm.gated_norm(o, z, layer.norm.weight, layer.norm.eps, proj.dtype)
 
 
 @eager

@@ -38,14 +38,12 @@ def max_nodes(a: Arch | None) -> int:
     return bt
 
 
-def _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.constexpr, W: tl.constexpr):
-    """The prologue's q, k, v for tree nodes `rows` (mrow: valid) on conv channels cq, ck [BK]
-    and cv [BV], as GatedDeltaNet.qkvgb computes them: each node's window of conv inputs (rows of
-    ext, through `window`) by the depthwise conv, SiLU rounded to the model dtype (as tree_conv's
-    output is), then the l2 norms (q also * DK^-0.5). -> Q, K [R, BK], V [R, BV] fp32, 0 on
-    invalid rows."""
+def _conv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, W: tl.constexpr):
+    """The depthwise tree convolution of nodes `rows` (mrow: valid) on conv channels cq, ck [BK]
+    and cv [BV]: each node's window of conv inputs (rows of ext, through `window`). Loads and
+    multiply-adds only (no reduction, so no barrier): a kernel can issue several row sets' loads
+    together. -> the pre-activations aq, ak [R, BK], av [R, BV] fp32 (_qkv_finish's input)."""
     f32 = tl.float32
-    dt = ext.dtype.element_ty
     mrk = mrow[:, None] & mk[None, :]
     mrv = mrow[:, None] & mv[None, :]
     row = tl.load(window + rows * W, mask=mrow, other=0)
@@ -63,12 +61,27 @@ def _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.con
             tl.load(ext + row[:, None] * C + ck[None, :], mask=mrk, other=0.0).to(f32)
         av += tl.load(conv_w + j * C + cv, mask=mv, other=0.0)[None, :] * \
             tl.load(ext + row[:, None] * C + cv[None, :], mask=mrv, other=0.0).to(f32)
+    return aq, ak, av
+
+
+def _qkv_finish(aq, ak, av, dt: tl.constexpr, DK: tl.constexpr):
+    """_conv_rows' pre-activations to q, k, v as GatedDeltaNet.qkvgb computes them: SiLU rounded
+    to the model dtype `dt` (as tree_conv's output is), then the l2 norms (q also * DK^-0.5).
+    -> Q, K [R, BK], V [R, BV] fp32, 0 on invalid rows."""
+    f32 = tl.float32
     Q = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
     K = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
     V = (av / (1.0 + tl.exp(-av))).to(dt, fp_downcast_rounding="rtne").to(f32)
     Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None] * (1.0 / tl.sqrt(DK * 1.0))
     K = K / tl.sqrt(tl.sum(K * K, 1) + 1e-6)[:, None]
     return Q, K, V
+
+
+def _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.constexpr, W: tl.constexpr):
+    """The prologue's q, k, v for tree nodes `rows` (mrow: valid): _conv_rows, then _qkv_finish.
+    -> Q, K [R, BK], V [R, BV] fp32, 0 on invalid rows."""
+    aq, ak, av = _conv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, W)
+    return _qkv_finish(aq, ak, av, ext.dtype.element_ty, DK)
 
 
 def _squarings(A, X, NSQ: tl.constexpr, PREC: tl.constexpr):
@@ -122,20 +135,37 @@ def _gdn_tree_kernel(
         cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
         zb = C + HV * DV  # the projection's b, a columns come after qkv and z
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    c0 = 0.0
-    if ROOT:  # the root's step on the state; its row of every output
-        if PROLOGUE:  # row 0 as a 2-row tile (the other row masked to 0), summed down to vectors
+    # Every load of the tile's inputs and the root's comes before the first reduction (a barrier):
+    # the root's step then costs its arithmetic, not a second round of load latency.
+    if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
+        cv = 2 * KD + h * DV + ov
+        aq, ak, av = _conv_rows(ext, window, conv_w, C, cq, KD + cq, cv, rows, mt, mk, mv, W)
+        gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mt)
+        if ROOT:  # row 0 as a 2-row tile (the other row masked to 0), summed down to vectors below
             r0 = tl.arange(0, 2)
             m0 = r0 < 1
-            Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, r0, m0, mk, mv, DK, W)
+            aq0, ak0, av0 = _conv_rows(ext, window, conv_w, C, cq, KD + cq, cv, r0, m0, mk, mv, W)
             g0, b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, r0, m0)
-            q0, k0, v0, c0, b0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0), tl.sum(g0, 0), tl.sum(b0, 0)
-        else:
+    else:
+        K = tl.load(k + rows[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
+        gg = tl.load(g + rows * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
+        bb = tl.load(beta + rows * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
+        V = tl.load(v + rows[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
+        Q = tl.load(q + rows[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
+        if ROOT:
             q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)  # [BK]
             k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)
             v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
-            c0 = tl.load(g + h * s_gh).to(f32)
+            g0 = tl.load(g + h * s_gh).to(f32)
             b0 = tl.load(beta + h * s_bh).to(f32)
+    on_path = tl.load(mask + rows[:, None] * T + rows[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
+    c0 = 0.0
+    if ROOT:  # the root's step on the state; its row of every output
+        if PROLOGUE:
+            Q0, K0, V0 = _qkv_finish(aq0, ak0, av0, ext.dtype.element_ty, DK)
+            q0, k0, v0, c0, b0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0), tl.sum(g0, 0), tl.sum(b0, 0)
+        else:
+            c0 = g0
         e0 = tl.exp(c0)
         u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
         tl.store(o + h * s_oh + ov, e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0, mask=mv)
@@ -143,26 +173,16 @@ def _gdn_tree_kernel(
         tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
         tl.store(cbuf + h * s_cbh, c0, mask=first)
         S = e0 * S + k0[:, None] * u0[None, :]
-    if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
-        Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, rows, mt, mk, mv, DK, W)
-        gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mt)
-    else:
-        K = tl.load(k + rows[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
-        gg = tl.load(g + rows * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
-        bb = tl.load(beta + rows * s_bt + h * s_bh, mask=mt, other=0.0).to(f32)
+    if PROLOGUE:
+        Q, K, V = _qkv_finish(aq, ak, av, ext.dtype.element_ty, DK)
     tl.store(kbuf + h * s_kbh + rows[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
-    on_path = tl.load(mask + rows[:, None] * T + rows[None, :], mask=mt[:, None] & mt[None, :], other=0) != 0  # [BT, BT]
     c = c0 + tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
     tl.store(cbuf + h * s_cbh + rows, c, mask=mt & first)
     decay = tl.exp(tl.where(on_path, c[:, None] - c[None, :], float("-inf")))  # masked before exp: off-path may be large
     ec = tl.exp(c - c0)  # (ROOT: against S', the root's decay taken out)
-    if not PROLOGUE:
-        V = tl.load(v + rows[:, None] * s_vt + h * s_vh + ov[None, :], mask=mtv, other=0.0).to(f32)  # [BT, BV]
     U = bb[:, None] * (V - ec[:, None] * tl.dot(K, S, input_precision=PREC))  # right-hand side, solved in place
     kk = tl.dot(K, tl.trans(K), input_precision=PREC)  # [BT, BT]
     A = tl.where(ot[None, :] < ot[:, None], bb[:, None] * decay * kk, 0.0)  # strictly lower (ancestors only)
-    if not PROLOGUE:
-        Q = tl.load(q + rows[:, None] * s_qt + h * s_qh + ok[None, :], mask=mtk, other=0.0).to(f32)
     O = ec[:, None] * tl.dot(Q, S, input_precision=PREC)
     Pm = decay * tl.dot(Q, tl.trans(K), input_precision=PREC)
     # (I + A) U = B without a serial substitution: A is strictly lower triangular (_squarings)
@@ -582,6 +602,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 
 if triton is not None:
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
+    _conv_rows, _qkv_finish = triton.jit(_conv_rows), triton.jit(_qkv_finish)
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kdot = triton.jit(_kdot)  # of the first pass by blocks
     _kernel(_gdn_tree_kernel, interpret=False)

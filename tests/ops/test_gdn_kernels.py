@@ -232,6 +232,46 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
         ERR.note("tree prologue mixer", assert_rel(layer._tree_fused(x, s), want, 1e-5, f"T={T}"))
 
 
+@pytest.mark.parametrize("T,hv,dv", [(1, 2, 16), (17, 48, 128), (33, 6, 24), (65, 3, 100)])
+def test_gated_norm_kernel_matches_gated_rms_norm(T, hv, dv):
+    """The verify's gated norm kernel (ddtree.ops.gated_norm) against GatedRMSNorm on random
+    outputs, gates and weights (z a column slice of a wider projection, as in a layer; dv 24 and
+    100: masked lanes): float32 to rounding; in bfloat16 it rounds where the module rounds, so
+    against the float32 result it is as accurate as the module in bfloat16 (within 25%)."""
+    from ddtree.model.layers import GatedRMSNorm
+    from ddtree.ops.gated_norm import gated_norm
+
+    g_ = torch.Generator().manual_seed(T * 1000 + dv)
+    w = torch.randn(dv, generator=g_) * 0.5 + 1.0
+    o = (torch.randn(T, hv, dv, generator=g_) * 3.0).to(DEV)
+    proj = torch.randn(T, 7 + hv * dv + 5, generator=g_).to(DEV)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = GatedRMSNorm(dv, 1e-6).to(DEV, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(w.to(dtype).float())  # the same (bf16-valued) weights in both dtypes
+        z = proj.to(dtype)[:, 7 : 7 + hv * dv]
+        got = gated_norm(o, z, norm.weight, norm.eps, dtype)
+        want = norm(o.to(dtype), z.reshape(T, hv, dv)).reshape(T, hv * dv)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        out[dtype] = got, want
+    ERR.note("gated norm fp32", assert_rel(*out[torch.float32], 1e-6, f"T={T}"))
+    got, want = out[torch.bfloat16]
+    # the float32 path on bf16-valued inputs: the truth both bf16 results are measured against
+    norm = GatedRMSNorm(dv, 1e-6).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(w.to(torch.bfloat16).float())
+    z16 = proj.to(torch.bfloat16).float()[:, 7 : 7 + hv * dv]
+    truth = norm(o.to(torch.bfloat16).float(), z16.reshape(T, hv, dv)).reshape(T, hv * dv)
+    ek, et = rel_err(got, truth), rel_err(want, truth)
+    ERR.note("gated norm bf16 kernel vs fp32", ek)
+    if DEV.type == "cuda":
+        assert 0 < ek <= 1.25 * et, f"T={T}: bf16 kernel error {ek:.3g} vs the module's {et:.3g} (both against float32)"
+    else:  # Triton's interpreter casts to bf16 by truncation, not rtne: each of the 4 roundings may be 1 ulp off
+        ulp = torch.finfo(torch.bfloat16).eps * want.float().abs()
+        assert ((got.float() - want.float()).abs() <= 4 * ulp).all(), f"T={T}: more than 4 ulp from the module"
+
+
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_prologue_kernel_matches_qkvgb(cfg):
     """The blocked verify's prologue kernel (gdn_tree.gdn_prologue: tree convolution + SiLU, q/k

@@ -40,7 +40,7 @@ from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK  # noqa: E402
 from ddtree.decode.buffers import Slot  # noqa: E402
 from ddtree.model import presets  # noqa: E402
 from ddtree.model.config import DrafterConfig, TargetConfig  # noqa: E402
-from ddtree.ops import commit, dispatch, gdn_step, gdn_tree, tree_kernel, triton_util, walk  # noqa: E402
+from ddtree.ops import commit, dispatch, gated_norm, gdn_step, gdn_tree, tree_kernel, triton_util, walk  # noqa: E402
 from ddtree.options import Options  # noqa: E402
 
 from conftest import FIXTURE_DIR, FIXTURE_REASON, have_fixture  # noqa: E402
@@ -107,7 +107,7 @@ class _Recorder:
         return lambda *args, **kwargs: self.log.append(Launch(self.fn, args, kwargs))
 
 
-KERNEL_MODULES = [gdn_step, gdn_tree, commit, tree_kernel, walk] + ([attention] if attention is not None else [])
+KERNEL_MODULES = [gdn_step, gdn_tree, gated_norm, commit, tree_kernel, walk] + ([attention] if attention is not None else [])
 
 
 def _recording(monkeypatch, props, log: list):
@@ -308,7 +308,7 @@ SCALARS = {"_tree_kernel": ("B", "K", "KBV", "D"), "_walk_kernel": ("T", "P", "P
 EXHAUSTIVE = os.environ.get("DDTREE_SM86_ALL") == "1"
 KERNELS = {"_gdn_step_kernel": "gdn", "_gdn_tree_kernel": "gdn",
            "_gdn_tree_mats_kernel": "gdn", "_gdn_tree_solve_kernel": "gdn",  # (_gdn_tree_mats_head_kernel: Hopper only, gdn_tree.block_nodes)
-           "_gdn_prologue_kernel": "gdn", "_gdn_commit_kernel": "gdn", "_conv_commit_kernel": "gdn", "_kv_commit_kernel": "kv", "_tree_kernel": "tree",
+           "_gdn_prologue_kernel": "gdn", "_gated_norm_kernel": "gdn", "_gdn_commit_kernel": "gdn", "_conv_commit_kernel": "gdn", "_kv_commit_kernel": "kv", "_tree_kernel": "tree",
            "_walk_kernel": "walk", "_attn_fwd_kernel": "attention", "_attn_merge_kernel": "attention"}  # kernel -> the launches that make it
 MISSING = {"gdn": TARGET_MISSING, "attention": ATTENTION_MISSING}  # a family that cannot be recorded, and why
 FAMILIES = {f for f in KERNELS.values() if not MISSING.get(f)}
