@@ -106,6 +106,19 @@ def _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mrow):
     return gg, tl.where(mrow, 1.0 / (1.0 + tl.exp(-bb)), 0.0)
 
 
+def _root_step(S, q0, k0, v0, c0, b0, o_row, u_row, k_row, c_row, mk, mv, first):
+    """A tree's root (node 0, an ancestor of every node) as one delta-rule step on the state tile S
+    [BK, BV], ahead of the other nodes: writes its output and U rows, and (first value block) the
+    commit scratch's k and c. -> S' = e^c0 S + k0 u0^T, the state the other nodes read."""
+    e0 = tl.exp(c0)
+    u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
+    tl.store(o_row, e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0, mask=mv)
+    tl.store(u_row, u0, mask=mv)
+    tl.store(k_row, k0, mask=mk & first)
+    tl.store(c_row, c0, mask=first)
+    return e0 * S + k0[:, None] * u0[None, :]
+
+
 def _gdn_tree_kernel(
     q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
@@ -166,13 +179,8 @@ def _gdn_tree_kernel(
             q0, k0, v0, c0, b0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0), tl.sum(g0, 0), tl.sum(b0, 0)
         else:
             c0 = g0
-        e0 = tl.exp(c0)
-        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
-        tl.store(o + h * s_oh + ov, e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0, mask=mv)
-        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
-        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
-        tl.store(cbuf + h * s_cbh, c0, mask=first)
-        S = e0 * S + k0[:, None] * u0[None, :]
+        S = _root_step(S, q0, k0, v0, c0, b0, o + h * s_oh + ov, ubuf + h * s_ubh + ov, kbuf + h * s_kbh + ok,
+                       cbuf + h * s_cbh, mk, mv, first)
     if PROLOGUE:
         Q, K, V = _qkv_finish(aq, ak, av, ext.dtype.element_ty, DK)
     tl.store(kbuf + h * s_kbh + rows[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
@@ -359,18 +367,12 @@ def _gdn_tree_solve_kernel(
     c0 = 0.0
     if ROOT:
         c0 = tl.load(g + h * s_gh).to(f32)
-        e0 = tl.exp(c0)
         k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)  # [BK]
         q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)
         v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
         b0 = tl.load(beta + h * s_bh).to(f32)
-        u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
-        o0 = e0 * tl.sum(q0[:, None] * S, 0) + tl.sum(q0 * k0, 0) * u0
-        tl.store(o + h * s_oh + ov, o0, mask=mv)
-        tl.store(ubuf + h * s_ubh + ov, u0, mask=mv)
-        tl.store(kbuf + h * s_kbh + ok, k0, mask=mk & first)
-        tl.store(cbuf + h * s_cbh, c0, mask=first)
-        S = e0 * S + k0[:, None] * u0[None, :]
+        S = _root_step(S, q0, k0, v0, c0, b0, o + h * s_oh + ov, ubuf + h * s_ubh + ov, kbuf + h * s_kbh + ok,
+                       cbuf + h * s_cbh, mk, mv, first)
     base = h * LD * LD  # wm, pm [H, LD, LD] over the nodes after the root (the first pass's)
     for b in range(NB):
         rb = ROOT + b * SB + os_
@@ -601,8 +603,10 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 
 
 if triton is not None:
-    _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)  # device functions of both kernels
+    # device functions: of the prologue kernel (_qkv_rows), of both prologues (the rest)
+    _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)
     _conv_rows, _qkv_finish = triton.jit(_conv_rows), triton.jit(_qkv_finish)
+    _root_step = triton.jit(_root_step)  # of the one-tile kernel and the blocked second pass
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kdot = triton.jit(_kdot)  # of the first pass by blocks
     _kernel(_gdn_tree_kernel, interpret=False)
