@@ -166,7 +166,7 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
             pj, ex = layer.project(x)
             return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
-        row = dict(T=T, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
+        row = dict(T=T, default_tiles=gdn_tree.launch_tiles(gdn_tree.tile_nodes(T), layer.dv, prologue=True), paths={})
         for name, fn in [("blocked prologue", blocked), ("one", one)] + [
                 (f"one BV{t[0]} w{t[1]}", lambda t=t: one(t)) for t in tiles]:
             try:
@@ -211,7 +211,8 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
 
         with_proj = {blocked_prologue}
         proj_ms = graph_ms(lambda: layer.project(x))
-        row = dict(T=T, in_proj_ms=proj_ms, default_tiles=gdn_tree.launch_tiles(T, layer.dv), paths={})
+        row = dict(T=T, in_proj_ms=proj_ms, paths={},
+                   default_tiles={p: gdn_tree.launch_tiles(gdn_tree.tile_nodes(T), layer.dv, p == "prologue") for p in ("kernel", "prologue")})
         for name, fn in () if core_only else (("wy", wy), ("kernel", kernel), ("prologue", prologue)):
             row["paths"][name] = dict(ms=graph_ms(fn) - proj_ms, err=err(fn()))
         sweep = {}

@@ -110,7 +110,7 @@ def _root_row(S, q0, k0, v0, c0, b0, o_row, u_row, k_row, c_row, mk, mv, first):
     """A tree's root (node 0, an ancestor of every node) as one delta-rule step on the state tile S
     [BK, BV]: writes its output and U rows, and (first value block) the commit scratch's k and c.
     -> u0, with S' = e^c0 S + k0 u0^T the state the other nodes read. S' is never formed: a node's
-    reads K S' = e^c0 K S + (K k0) u0^T (_after_root) need no product of the root's result, so the
+    reads K S' = e^c0 K S + (K k0) u0^T (_root_terms) need no product of the root's result, so the
     root's reductions run beside the tile's products instead of ahead of them."""
     e0 = tl.exp(c0)
     u0 = b0 * (v0 - e0 * tl.sum(k0[:, None] * S, 0))  # [BV]
@@ -119,6 +119,14 @@ def _root_row(S, q0, k0, v0, c0, b0, o_row, u_row, k_row, c_row, mk, mv, first):
     tl.store(k_row, k0, mask=mk & first)
     tl.store(c_row, c0, mask=first)
     return u0
+
+
+def _root_step(S, q0, k0, v0, c0, b0, o_row, u_row, k_row, c_row, mk, mv, first):
+    """_root_row, then S' = e^c0 S + k0 u0^T formed (the blocked second pass reads it in every
+    block; its rank-one terms there, from the first pass, measured 1.8 us a layer slower at 33
+    nodes on an H100). -> S'."""
+    u0 = _root_row(S, q0, k0, v0, c0, b0, o_row, u_row, k_row, c_row, mk, mv, first)
+    return tl.exp(c0) * S + k0[:, None] * u0[None, :]
 
 
 def _root_terms(K, Q, k0, bb, c, c0):
@@ -258,7 +266,7 @@ def _kdot(a, a_t, a_m, b, b_t, b_m, ra, rb, DK: tl.constexpr, BK: tl.constexpr, 
 
 
 def _gdn_tree_mats_kernel(
-    q, k, g, beta, mask, wm, pm, rr, kbuf, cbuf,
+    q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr, LD: tl.constexpr,
@@ -289,12 +297,6 @@ def _gdn_tree_mats_kernel(
     Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
     tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk)
     bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
-    if ROOT:  # the block's rank-one terms from the root into rr [H, 2, LD] (the second pass's)
-        k0 = tl.load(k + h * s_kh + ok, mask=mk, other=0.0).to(f32)
-        Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
-        rk, rq = _root_terms(Kb, Qb, k0, bb, c_b, tl.sum(tl.where(oa == 0, g_all, 0.0), 0))
-        tl.store(rr + h * 2 * LD + rb - ROOT, rk, mask=mb)
-        tl.store(rr + h * 2 * LD + LD + rb - ROOT, rq, mask=mb)
     base = h * LD * LD  # wm, pm [H, LD, LD]: the nodes after the root, rows of 16-aligned LD
     kh, qh = k + h * s_kh, q + h * s_qh
     for c in range(b):  # the earlier blocks: through the ancestor mask
@@ -321,7 +323,7 @@ def _gdn_tree_mats_kernel(
 
 
 def _gdn_tree_mats_head_kernel(
-    q, k, g, beta, mask, wm, pm, rr, kbuf, cbuf,
+    q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr,
@@ -350,18 +352,9 @@ def _gdn_tree_mats_head_kernel(
     K = tl.load(k + r[:, None] * s_kt + h * s_kh + ok[None, :], mask=mrk, other=0.0).to(f32)  # [BN, BK]
     tl.store(kbuf + h * s_kbh + r[:, None] * s_kbt + ok[None, :], K, mask=mrk)
     bb = tl.load(beta + r * s_bt + h * s_bh, mask=mr, other=0.0).to(f32)
-    if ROOT:
-        er = tl.exp(c - tl.load(g + h * s_gh).to(f32))
-        tl.store(rr + h * 2 * LD + on, bb * er * tl.sum(K * tl.load(k + h * s_kh + ok, mask=mk, other=0.0)[None, :], 1),
-                 mask=mr)
     dec = tl.exp(tl.where(on_rr, c[:, None] - c[None, :], float("-inf")))  # masked before exp
     A = tl.where(on[None, :] < on[:, None], bb[:, None] * dec * tl.dot(K, tl.trans(K), input_precision=PREC), 0.0)
     Q = tl.load(q + r[:, None] * s_qt + h * s_qh + ok[None, :], mask=mrk, other=0.0).to(f32)
-    if ROOT:  # the rank-one terms from the root (_root_terms, as _gdn_tree_mats_kernel's; here
-        # each where its operand is loaded: live beside the [BN, BN] tiles they spill 360 B)
-        er = tl.exp(c - tl.load(g + h * s_gh).to(f32))
-        tl.store(rr + h * 2 * LD + LD + on, er * tl.sum(Q * tl.load(k + h * s_kh + ok, mask=mk, other=0.0)[None, :], 1),
-                 mask=mr)
     at = h * LD * LD + on[:, None] * LD + on[None, :]  # wm, pm as _gdn_tree_mats_kernel's
     tl.store(pm + at, dec * tl.dot(Q, tl.trans(K), input_precision=PREC), mask=mrr)
     same = (on[:, None] // SB) == (on[None, :] // SB)  # the diagonal blocks
@@ -371,7 +364,7 @@ def _gdn_tree_mats_head_kernel(
 
 
 def _gdn_tree_solve_kernel(
-    q, k, v, g, beta, S0, wm, pm, rr, o, kbuf, ubuf, cbuf,
+    q, k, v, g, beta, S0, wm, pm, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SB: tl.constexpr,
@@ -382,9 +375,9 @@ def _gdn_tree_solve_kernel(
     # wm[b, c] U[c]), R[b] = beta (v - e^c k S), U[c] read back from the scratch this program
     # wrote; o[b] = e^c q S + sum_c<=b pm[b, c] U[c]. Two tile products a block and two per
     # earlier block: the solves and the masks are the first pass's, done for every block at once.
-    # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step,
-    # S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative to it
-    # (e^(c - g0)), S' never formed (_root_row): a tree of 16m + 1 nodes is m whole blocks.
+    # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
+    # first, S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative
+    # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks.
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0
@@ -402,7 +395,7 @@ def _gdn_tree_solve_kernel(
         q0 = tl.load(q + h * s_qh + ok, mask=mk, other=0.0).to(f32)
         v0 = tl.load(v + h * s_vh + ov, mask=mv, other=0.0).to(f32)  # [BV]
         b0 = tl.load(beta + h * s_bh).to(f32)
-        u0 = _root_row(S, q0, k0, v0, c0, b0, o + h * s_oh + ov, ubuf + h * s_ubh + ov, kbuf + h * s_kbh + ok,
+        S = _root_step(S, q0, k0, v0, c0, b0, o + h * s_oh + ov, ubuf + h * s_ubh + ov, kbuf + h * s_kbh + ok,
                        cbuf + h * s_cbh, mk, mv, first)
     base = h * LD * LD  # wm, pm [H, LD, LD] over the nodes after the root (the first pass's)
     for b in range(NB):
@@ -410,17 +403,14 @@ def _gdn_tree_solve_kernel(
         mb = rb < T
         mbk = mb[:, None] & mk[None, :]
         mbv = mb[:, None] & mv[None, :]
-        c_b = tl.load(cbuf + h * s_cbh + rb, mask=mb, other=0.0)  # the first pass's (the root's c0 included)
+        c_b = tl.load(cbuf + h * s_cbh + rb, mask=mb, other=0.0)  # the first pass's
         Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
         Qb = tl.load(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], mask=mbk, other=0.0).to(f32)
         Vb = tl.load(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], mask=mbv, other=0.0).to(f32)  # [SB, BV]
         bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
-        ec = tl.exp(c_b)  # against S, the state before the tree
+        ec = tl.exp(c_b - c0)  # (ROOT: against S', the root's decay taken out)
         R = bb[:, None] * (Vb - ec[:, None] * tl.dot(Kb, S, input_precision=PREC))  # right-hand side
         O = ec[:, None] * tl.dot(Qb, S, input_precision=PREC)
-        if ROOT:  # against S' instead: the first pass's rank-one terms (_root_terms)
-            R -= tl.load(rr + h * 2 * LD + rb - ROOT, mask=mb, other=0.0)[:, None] * u0[None, :]
-            O += tl.load(rr + h * 2 * LD + LD + rb - ROOT, mask=mb, other=0.0)[:, None] * u0[None, :]
         for c in range(b):  # the earlier blocks' solved U
             rc = ROOT + c * SB + os_
             Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
@@ -461,8 +451,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     prec = triton_util.dot_precision(precision, a)
     LD = max(16, -(-(T - root) // 16) * 16)  # the nodes after the root, rows aligned to 16 elements
     wm, pm = (torch.empty(H, LD, LD, dtype=torch.float32, device=S0.device) for _ in range(2))
-    rr = torch.empty(H, 2, LD, dtype=torch.float32, device=S0.device)  # the root's rank-one terms (ROOT)
-    mat_args = (q, k, g, beta, mask, wm, pm, rr, kb, cb, *strides[:4], *strides[6:], kb.stride(0), kb.stride(1), cb.stride(0))
+    mat_args = (q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:], kb.stride(0), kb.stride(1), cb.stride(0))
     consts = dict(T=T, DK=dk, SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root), LD=LD,
                   NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4)
     chunk = MATS_CHUNK if chunk is None else chunk
@@ -475,7 +464,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
             _kernel(_gdn_tree_mats_kernel, interpret=not S0.is_cuda)[(triton.cdiv(T - root, block), H)](
                 *mat_args, BT=_tile(T), DC=min(chunk, _tile(dk)), **consts)  # (BT: the path mask's columns)
         solve[(H, triton.cdiv(dv, BV))](
-            q, k, v, g, beta, S0, wm, pm, rr, o, kb, ub, cb,
+            q, k, v, g, beta, S0, wm, pm, o, kb, ub, cb,
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), LD=LD, num_warps=warps,
@@ -590,8 +579,14 @@ def blocked_tiles(block: int, dv: int) -> tuple[int, int]:
     return min(32, _tile(dv)), 4
 
 
-def launch_tiles(T: int, dv: int) -> tuple[int, int]:
-    """(BV value channels per program, warps) for a tile of T nodes."""
+def launch_tiles(T: int, dv: int, prologue: bool = False) -> tuple[int, int]:
+    """(BV value channels per program, warps) for a tile of T nodes, with the prologue inside or
+    not. Every program recomputes the prologue's q and k, so with it a 16-node tile takes 64
+    channels on 8 warps: an H100 measured the 27B's layer (dk = dv = 128, projection to mixer
+    output) in 15.1 / 17.4 us at 16 / 17 nodes against 18.8 / 22.6 at 32 channels on 4 warps and
+    24.5 / 29.2 on 8 (results/verify-tiles-h100.json; ptxas: 0 / 40 B of stack on sm_90)."""
+    if prologue and _tile(T) <= 16:
+        return min(64, _tile(dv)), 8
     return min(32, _tile(dv)), 8 if _tile(T) > 32 else 4
 
 
@@ -618,8 +613,8 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     kb, ub, cb = out
     n = tile_nodes(T, root)  # the tile's nodes (after the root, folded)
     BT = _tile(n)
-    BV, warps = tiles or launch_tiles(n, dv)
     prologue = pro is not None
+    BV, warps = tiles or launch_tiles(n, dv, prologue)
     if not prologue:  # the prologue's pointer / int arguments go unused
         pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
     kern = _kernel(_gdn_tree_kernel, interpret=not S0.is_cuda)
@@ -641,8 +636,8 @@ if triton is not None:
     # device functions: of the prologue kernel (_qkv_rows), of both prologues (the rest)
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)
     _conv_rows, _qkv_finish = triton.jit(_conv_rows), triton.jit(_qkv_finish)
-    _root_row = triton.jit(_root_row)  # of the one-tile kernel and the solve
-    _root_terms = triton.jit(_root_terms)  # of the one-tile kernel and both first passes
+    _root_row, _root_step = triton.jit(_root_row), triton.jit(_root_step)  # of the one-tile kernel, of the solve
+    _root_terms = triton.jit(_root_terms)  # of the one-tile kernel
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kdot = triton.jit(_kdot)  # of the first pass by blocks
     _kernel(_gdn_tree_kernel, interpret=False)

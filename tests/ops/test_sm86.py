@@ -582,6 +582,31 @@ def test_tree_kernel_tiles(monkeypatch, props):
             assert got == (BT, dk, 32, max(0, (n - 1).bit_length() - 1), 8 if BT > 32 else 4, "tf32x3", int(root)), (T, dk)
 
 
+@pytest.mark.parametrize("props", [H200, A6000], ids=["h200", "a6000"])
+def test_prologue_tree_kernel_tiles(monkeypatch, props):
+    """With the prologue inside, the one-tile kernel's 16-node tiles (trees of 2..17 nodes at the
+    27B's shapes) take 64 value channels on 8 warps (every program recomputes q and k); larger
+    tiles keep gdn_tree's (tree_kernel=on)."""
+    tc, _ = _pair("qwen3.6-27b")
+    with torch.device(META):
+        layer = GatedDeltaNet(tc).to(torch.bfloat16)
+    for T in (2, 9, 16, 17, 18, 32, 33):
+        log: list = []
+        _recording(monkeypatch, props, log)
+        bf16 = dict(dtype=torch.bfloat16, device=META)
+        proj = torch.empty(T, layer.in_proj_qkv.out_features + layer.hv * layer.dv + 2 * layer.hv, **bf16)
+        out = [torch.empty(layer.hv, T, d, device=META) for d in (layer.dk, layer.dv)] + [torch.empty(layer.hv, T, device=META)]
+        gdn_tree.gdn_tree_prologue(layer, proj, torch.empty(layer.width - 1 + T, layer.conv_dim, **bf16),
+                                   torch.empty(T, layer.width, dtype=torch.long, device=META),
+                                   torch.empty(layer.hv, layer.dk, layer.dv, device=META),
+                                   torch.empty(T, T, dtype=torch.bool, device=META), out, "tf32x3")
+        monkeypatch.undo()
+        (launch,) = log
+        c = launch.kwargs
+        small = T <= 17  # a 16-node tile (17: after the folded root)
+        assert (c["BT"], c["BV"], c["num_warps"], c["PROLOGUE"]) == ((16, 64, 8, True) if small else (32, 32, 4, True)), T
+
+
 def test_tf32x3_falls_back_to_ieee_without_tf32_tensor_cores(monkeypatch):
     """Triton 3.6 decomposes tf32x3 into TF32 MMAs for sm_80 and later (so on sm_86); below that
     the launcher asks for ieee. The interpreter always gets ieee."""
