@@ -19,6 +19,18 @@ from ddtree.ops.triton_util import _kernel, _on_device_of, tl, triton
 ROWS = 8  # (node, head) rows a program: 816 rows of a 17-node verify at the 27B's 48 heads in 102 programs
 
 
+def _gated_rms(x, w, z, eps, DV: tl.constexpr, dt: tl.constexpr):
+    """GatedRMSNorm of fp32 rows x over their last axis (DV channels; masked channels 0): w *
+    norm(x) * silu(z), rounded to the model dtype `dt` where the torch path rounds (x first, the
+    normalised x, w times it, the output). w, z fp32, broadcastable to x. Of this kernel and the
+    step kernel's epilogue (ddtree.ops.gdn_step)."""
+    f32 = tl.float32
+    x = x.to(dt, fp_downcast_rounding="rtne").to(f32)  # o.to(model dtype) first, as the torch path
+    xn = (x / tl.sqrt(tl.sum(x * x, -1, keep_dims=True) / DV + eps)).to(dt, fp_downcast_rounding="rtne").to(f32)
+    wxn = (w * xn).to(dt, fp_downcast_rounding="rtne").to(f32)
+    return (wxn * (z / (1.0 + tl.exp(-z)))).to(dt, fp_downcast_rounding="rtne")
+
+
 def _gated_norm_kernel(o, z, w, out, n_rows, HV, s_ot, s_zt, s_outt, eps,
                        DV: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
     # One program per BR rows; row r is node r // HV, head r % HV, its channels contiguous.
@@ -30,12 +42,9 @@ def _gated_norm_kernel(o, z, w, out, n_rows, HV, s_ot, s_zt, s_outt, eps,
     m = mr[:, None] & mv[None, :]
     t, h = r // HV, r % HV
     x = tl.load(o + t[:, None] * s_ot + h[:, None] * DV + ov[None, :], mask=m, other=0.0).to(f32)
-    x = x.to(dt, fp_downcast_rounding="rtne").to(f32)  # o.to(model dtype) first, as the torch path
-    xn = (x / tl.sqrt(tl.sum(x * x, 1) / DV + eps)[:, None]).to(dt, fp_downcast_rounding="rtne").to(f32)
-    wxn = (tl.load(w + ov, mask=mv, other=0.0).to(f32)[None, :] * xn).to(dt, fp_downcast_rounding="rtne").to(f32)
     zz = tl.load(z + t[:, None] * s_zt + h[:, None] * DV + ov[None, :], mask=m, other=0.0).to(f32)
-    y = wxn * (zz / (1.0 + tl.exp(-zz)))
-    tl.store(out + t[:, None] * s_outt + h[:, None] * DV + ov[None, :], y.to(dt, fp_downcast_rounding="rtne"), mask=m)
+    y = _gated_rms(x, tl.load(w + ov, mask=mv, other=0.0).to(f32)[None, :], zz, eps, DV, dt)
+    tl.store(out + t[:, None] * s_outt + h[:, None] * DV + ov[None, :], y, mask=m)
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
@@ -55,4 +64,5 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
 
 
 if triton is not None:  # made here, so that a compiled layer only looks it up
+    _gated_rms = triton.jit(_gated_rms)  # device function: of this kernel and gdn_step's
     _kernel(_gated_norm_kernel, interpret=False)

@@ -3,8 +3,9 @@
 
 One new token through a GDN layer's mixer, between its two projections: the short convolution
 over [conv_state; new row] with SiLU, q/k l2 norms, gates, the recurrence read against the state
-(o = e^g S0^T q + (q.k) U), and the gated RMSNorm. The torch path is ~8 kernels and an fp32
-batched GEMM per layer; this is one kernel, one program per value head. It writes what a commit
+(o = e^g S0^T q + (q.k) U), and the gated RMSNorm (gated_norm._gated_rms, as the tree verify's).
+The torch path is ~8 kernels and an fp32 batched GEMM per layer; this is one kernel, one program
+per value head. It writes what a commit
 needs into the group's scratch (k, U, c and the conv rows), exactly as `gdn.tree_wy` does for a
 one-node tree.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.ops.gated_norm import _gated_rms
 from ddtree.ops.triton_util import _kernel, _on_device_of, tl, triton
 
 
@@ -80,11 +82,9 @@ def _gdn_step_kernel(
     tl.store(ubuf + h * s_uh + ov, U, mask=mv)
     tl.store(cbuf + h * s_ch, g)
     # gated RMSNorm: w * norm(o) * silu(z), with the torch path's roundings to the model dtype
-    o = tl.where(mv, o.to(dt, fp_downcast_rounding="rtne").to(f32), 0.0)
-    xn = (o / tl.sqrt(tl.sum(o * o, 0) / DV + eps_norm)).to(dt, fp_downcast_rounding="rtne").to(f32)
-    wxn = (tl.load(norm_w + ov, mask=mv, other=0.0).to(f32) * xn).to(dt, fp_downcast_rounding="rtne").to(f32)
     z = tl.load(proj + C + h * DV + ov, mask=mv, other=0.0).to(f32)
-    tl.store(out + h * DV + ov, (wxn * (z / (1.0 + tl.exp(-z)))).to(dt, fp_downcast_rounding="rtne"), mask=mv)
+    y = _gated_rms(tl.where(mv, o, 0.0), tl.load(norm_w + ov, mask=mv, other=0.0).to(f32), z, eps_norm, DV, dt)
+    tl.store(out + h * DV + ov, y, mask=mv)
 
 
 def gdn_step(layer, proj: torch.Tensor) -> torch.Tensor:

@@ -122,9 +122,9 @@ def _root_row(S, q0, k0, v0, c0, b0, o_row, u_row, k_row, c_row, mk, mv, first):
 
 
 def _root_step(S, q0, k0, v0, c0, b0, o_row, u_row, k_row, c_row, mk, mv, first):
-    """_root_row, then S' = e^c0 S + k0 u0^T formed (the blocked second pass reads it in every
-    block; its rank-one terms there, from the first pass, measured 1.8 us a layer slower at 33
-    nodes on an H100). -> S'."""
+    """_root_row, then S' = e^c0 S + k0 u0^T formed: the blocked second pass reads it in every
+    block (its rank-one terms there, from the first pass, took 24.2 against 22.4 us at 33 nodes
+    on an H100: results/verify-tiles-h100.json). -> S'."""
     u0 = _root_row(S, q0, k0, v0, c0, b0, o_row, u_row, k_row, c_row, mk, mv, first)
     return tl.exp(c0) * S + k0[:, None] * u0[None, :]
 
@@ -529,7 +529,7 @@ def tile_nodes(T: int, root: bool | None = None) -> int:
 def tile_root(T: int) -> bool:
     """Fold a T-node tree's root into the state ahead of the one-tile kernel's tile? Where that
     halves the tile (T = 2^n + 1: a budget-16 tree's 17 nodes in a 16-node tile, as budget 15's
-    16): the fold is one more step ahead of it."""
+    16): the fold is the root's own row and its rank-one terms in the nodes' reads (_root_terms)."""
     return T > 2 and _tile(T - 1) < _tile(T)
 
 
