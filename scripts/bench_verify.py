@@ -211,8 +211,9 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
 
         with_proj = {blocked_prologue}
         proj_ms = graph_ms(lambda: layer.project(x))
-        row = dict(T=T, in_proj_ms=proj_ms, paths={},
-                   default_tiles={p: gdn_tree.launch_tiles(gdn_tree.tile_nodes(T), layer.dv, p == "prologue") for p in ("kernel", "prologue")})
+        n = gdn_tree.tile_nodes(T)
+        tiles_of = {p: gdn_tree.launch_tiles(n, layer.dv, prologue=p == "prologue") for p in ("kernel", "prologue")}
+        row = dict(T=T, in_proj_ms=proj_ms, paths={}, default_tiles=tiles_of)
         for name, fn in () if core_only else (("wy", wy), ("kernel", kernel), ("prologue", prologue)):
             row["paths"][name] = dict(ms=graph_ms(fn) - proj_ms, err=err(fn()))
         sweep = {}

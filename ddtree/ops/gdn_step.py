@@ -5,9 +5,8 @@ One new token through a GDN layer's mixer, between its two projections: the shor
 over [conv_state; new row] with SiLU, q/k l2 norms, gates, the recurrence read against the state
 (o = e^g S0^T q + (q.k) U), and the gated RMSNorm (gated_norm._gated_rms, as the tree verify's).
 The torch path is ~8 kernels and an fp32 batched GEMM per layer; this is one kernel, one program
-per value head. It writes what a commit
-needs into the group's scratch (k, U, c and the conv rows), exactly as `gdn.tree_wy` does for a
-one-node tree.
+per value head. It writes what a commit needs into the group's scratch (k, U, c and the conv
+rows), exactly as `gdn.tree_wy` does for a one-node tree.
 """
 
 from __future__ import annotations

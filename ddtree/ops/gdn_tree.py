@@ -168,7 +168,7 @@ def _gdn_tree_kernel(
         zb = C + HV * DV  # the projection's b, a columns come after qkv and z
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
     # Every load of the tile's inputs and the root's comes before the first reduction (a barrier):
-    # the root's step then costs its arithmetic, not a second round of load latency.
+    # the root's row then costs its arithmetic, not a second round of load latency.
     if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
         cv = 2 * KD + h * DV + ov
         aq, ak, av = _conv_rows(ext, window, conv_w, C, cq, KD + cq, cv, rows, mt, mk, mv, W)
