@@ -144,8 +144,8 @@ def blocked_prologue_path(layer, x, step, S0, mask, scratch, prec):
     """The engine's path past one tile, from the projection: the prologue kernel, then the blocks
     (fold_root's rule). -> a function of no arguments running it."""
     def run():
-        return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, layer.in_proj(x), step.window), S0, mask,
-                                         scratch, prec)
+        pj, ex = layer.project(x)
+        return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, pj, ex, step.window), S0, mask, scratch, prec)
     return run
 
 
@@ -159,11 +159,12 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
     prec = resolve(Options(), DEV).tree_precision
     for T in nodes:
         mask, step, x, _, scratch, S0, ref = tree_case(model, layer, tc, T)
-        proj_ms = graph_ms(lambda: layer.in_proj(x))
+        proj_ms = graph_ms(lambda: layer.project(x))
         blocked = blocked_prologue_path(layer, x, step, S0, mask, scratch, prec)
 
         def one(t=None):
-            return gdn_tree.gdn_tree_prologue(layer, layer.in_proj(x), step.window, S0, mask, scratch, prec, tiles=t)
+            pj, ex = layer.project(x)
+            return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
         row = dict(T=T, default_tiles=gdn_tree.launch_tiles(gdn_tree.tile_nodes(T), layer.dv, prologue=True), paths={})
         for name, fn in [("blocked prologue", blocked), ("one", one)] + [
@@ -203,12 +204,13 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
             return gdn_tree.gdn_tree(qq, kk, vv, gg, bb, S0, mask, scratch, prec, tiles=t)
 
         def prologue(t=None):
-            return gdn_tree.gdn_tree_prologue(layer, layer.in_proj(x), step.window, S0, mask, scratch, prec, tiles=t)
+            pj, ex = layer.project(x)
+            return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
         blocked_prologue = blocked_prologue_path(layer, x, step, S0, mask, scratch, prec)
 
         with_proj = {blocked_prologue}
-        proj_ms = graph_ms(lambda: layer.in_proj(x))
+        proj_ms = graph_ms(lambda: layer.project(x))
         n = gdn_tree.tile_nodes(T)
         tiles_of = {p: gdn_tree.launch_tiles(n, layer.dv, prologue=p == "prologue") for p in ("kernel", "prologue")}
         row = dict(T=T, in_proj_ms=proj_ms, paths={}, default_tiles=tiles_of)

@@ -265,10 +265,10 @@ def test_tree_verify_at_27b_shapes_equals_tree_wy(precision):
         tol = 2e-5 if precision == "tf32x3" else 1e-5
         paths = {}
         if T <= 17:  # (larger tiles at dk 128 are not the engine's path)
-            paths["one tile"] = lambda out: gdn_tree.gdn_tree_prologue(layer, proj, s.window, layer.rec_state,
+            paths["one tile"] = lambda out: gdn_tree.gdn_tree_prologue(layer, proj, ext, s.window, layer.rec_state,
                                                                        mask, out, precision)
         if T >= 17:
-            paths["blocked"] = lambda out: gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, s.window),
+            paths["blocked"] = lambda out: gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, s.window),
                                                                      layer.rec_state, mask, out, precision)
         for name, run in paths.items():
             got = scratch()

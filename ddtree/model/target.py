@@ -166,8 +166,7 @@ class GatedDeltaNet(nn.Module):
 
     def project(self, x: torch.Tensor):
         """-> (the input projection [T, N], ext [width-1+T, C]: the conv state rows, then the new qkv
-        rows, in the layer's scratch, where the torch convolution and the commit read them; the
-        Triton prologues read the rows where they are and write ext themselves)."""
+        rows, in the layer's scratch, where the convolution and the commit read them)."""
         proj = self.in_proj(x)
         ext = torch.cat([self.conv_state, proj[:, : self.conv_dim]], out=self.ext_buf[: self.width - 1 + x.shape[0]])
         return proj, ext
@@ -212,8 +211,9 @@ class GatedDeltaNet(nn.Module):
         """A tree's verify with the mixer in Triton kernels (twin: the qkvgb path of forward):
         tree_mixer between the projections."""
         T = x.shape[0]
+        proj, ext = self.project(x)
         kb, ub, cb = self.wy_bufs
-        o = tree_mixer(self, self.in_proj(x), s.window, s.path_mask, (kb[:, :T], ub[:, :T], cb[:, :T]), s.kernels)
+        o = tree_mixer(self, proj, ext, s.window, s.path_mask, (kb[:, :T], ub[:, :T], cb[:, :T]), s.kernels)
         return self.out_proj(o)
 
     def prefill(self, x: torch.Tensor, c: "Chunk") -> torch.Tensor:
@@ -352,20 +352,19 @@ eager_name(globals(), "chain_final")
 
 
 @eager
-def tree_mixer(layer: GatedDeltaNet, proj: torch.Tensor, window: torch.Tensor, path_mask: torch.Tensor,
-               scratch: tuple, kn: Kernels) -> torch.Tensor:
+def tree_mixer(layer: GatedDeltaNet, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor,
+               path_mask: torch.Tensor, scratch: tuple, kn: Kernels) -> torch.Tensor:
     """GDN layer `layer`'s mixer for a tree verify from its projection, in Triton kernels: the
     one-tile tree kernel with the prologue inside (gdn_tree.gdn_tree_prologue), or for larger
-    trees the prologue kernel ahead of the blocked recurrence (either reads the conv inputs from
-    the conv state and the projection, and writes the commit's ext rows), then the gated norm
+    trees the prologue kernel ahead of the blocked recurrence, then the gated norm
     (ddtree.ops.gated_norm). One eager call between the compiled projections: the tree's sizes
     are host ints here, and nothing between the kernels is left to a resume frame's compile.
     -> [T, hv * dv] in the model dtype."""
     T = proj.shape[0]
     if kn.tree(T, layer.dk):
-        o = gdn_tree.gdn_tree_prologue(layer, proj, window, layer.rec_state, path_mask, scratch, kn.tree_precision)
+        o = gdn_tree.gdn_tree_prologue(layer, proj, ext, window, layer.rec_state, path_mask, scratch, kn.tree_precision)
     else:
-        o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, window), layer.rec_state, path_mask,
+        o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, window), layer.rec_state, path_mask,
                                       scratch, kn.tree_precision)
     z = proj[:, layer.conv_dim : layer.conv_dim + layer.hv * layer.dv]
     return gated_norm.gated_norm(o, z, layer.norm.weight, layer.norm.eps, proj.dtype)

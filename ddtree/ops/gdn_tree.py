@@ -38,45 +38,30 @@ def max_nodes(a: Arch | None) -> int:
     return bt
 
 
-def _conv_rows(conv, proj, s_pt, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, W: tl.constexpr):
+def _conv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, W: tl.constexpr):
     """The depthwise tree convolution of nodes `rows` (mrow: valid) on conv channels cq, ck [BK]
-    and cv [BV]: each node's window of conv inputs through `window`, whose rows index [conv state
-    (W - 1 rows); the nodes' qkv columns of proj]: read from where they are, no copy between. Loads
-    and multiply-adds only (no reduction, so no barrier): a kernel can issue several row sets'
-    loads together. -> the pre-activations aq, ak [R, BK], av [R, BV] fp32 (_qkv_finish's input)."""
+    and cv [BV]: each node's window of conv inputs (rows of ext, through `window`). Loads and
+    multiply-adds only (no reduction, so no barrier): a kernel can issue several row sets' loads
+    together. -> the pre-activations aq, ak [R, BK], av [R, BV] fp32 (_qkv_finish's input)."""
     f32 = tl.float32
     mrk = mrow[:, None] & mk[None, :]
     mrv = mrow[:, None] & mv[None, :]
-    for j in tl.static_range(W):  # each node's window, oldest first
+    row = tl.load(window + rows * W, mask=mrow, other=0)
+    aq = tl.load(conv_w + cq, mask=mk, other=0.0)[None, :] * \
+        tl.load(ext + row[:, None] * C + cq[None, :], mask=mrk, other=0.0).to(f32)
+    ak = tl.load(conv_w + ck, mask=mk, other=0.0)[None, :] * \
+        tl.load(ext + row[:, None] * C + ck[None, :], mask=mrk, other=0.0).to(f32)
+    av = tl.load(conv_w + cv, mask=mv, other=0.0)[None, :] * \
+        tl.load(ext + row[:, None] * C + cv[None, :], mask=mrv, other=0.0).to(f32)
+    for j in tl.static_range(1, W):  # the other taps of each node's window
         row = tl.load(window + rows * W + j, mask=mrow, other=0)
-        src = tl.where(row < W - 1, conv + row * C, proj + (row - (W - 1)) * s_pt)[:, None]  # [R, 1] row pointers
-        xq = tl.load(conv_w + j * C + cq, mask=mk, other=0.0)[None, :] * tl.load(src + cq[None, :], mask=mrk, other=0.0).to(f32)
-        xk = tl.load(conv_w + j * C + ck, mask=mk, other=0.0)[None, :] * tl.load(src + ck[None, :], mask=mrk, other=0.0).to(f32)
-        xv = tl.load(conv_w + j * C + cv, mask=mv, other=0.0)[None, :] * tl.load(src + cv[None, :], mask=mrv, other=0.0).to(f32)
-        if j == 0:
-            aq, ak, av = xq, xk, xv
-        else:
-            aq, ak, av = aq + xq, ak + xk, av + xv
+        aq += tl.load(conv_w + j * C + cq, mask=mk, other=0.0)[None, :] * \
+            tl.load(ext + row[:, None] * C + cq[None, :], mask=mrk, other=0.0).to(f32)
+        ak += tl.load(conv_w + j * C + ck, mask=mk, other=0.0)[None, :] * \
+            tl.load(ext + row[:, None] * C + ck[None, :], mask=mrk, other=0.0).to(f32)
+        av += tl.load(conv_w + j * C + cv, mask=mv, other=0.0)[None, :] * \
+            tl.load(ext + row[:, None] * C + cv[None, :], mask=mrv, other=0.0).to(f32)
     return aq, ak, av
-
-
-def _ext_rows(conv, proj, s_pt, ext, C, cq, ck, cv, mqk, mv, rows, mrow, STATE, W: tl.constexpr):
-    """The conv inputs a commit reads (ddtree.ops.commit.conv_commit_: ext [W - 1 + T, C], the
-    state's rows then the nodes' qkv columns), written by the prologue that reads them where they
-    are: nodes `rows` (mrow: valid) on channels cq, ck (mqk: this program owns them: the value heads
-    of a key head share them) and cv (mv), and where STATE the state's rows too."""
-    mrk = mrow[:, None] & mqk[None, :]
-    mrv = mrow[:, None] & mv[None, :]
-    src = proj + rows[:, None] * s_pt
-    dst = ext + (W - 1 + rows)[:, None] * C
-    tl.store(dst + cq[None, :], tl.load(src + cq[None, :], mask=mrk), mask=mrk)
-    tl.store(dst + ck[None, :], tl.load(src + ck[None, :], mask=mrk), mask=mrk)
-    tl.store(dst + cv[None, :], tl.load(src + cv[None, :], mask=mrv), mask=mrv)
-    sqk, sv = mqk & STATE, mv & STATE
-    for r in tl.static_range(W - 1):
-        tl.store(ext + r * C + cq, tl.load(conv + r * C + cq, mask=sqk), mask=sqk)
-        tl.store(ext + r * C + ck, tl.load(conv + r * C + ck, mask=sqk), mask=sqk)
-        tl.store(ext + r * C + cv, tl.load(conv + r * C + cv, mask=sv), mask=sv)
 
 
 def _qkv_finish(aq, ak, av, dt: tl.constexpr, DK: tl.constexpr):
@@ -92,12 +77,11 @@ def _qkv_finish(aq, ak, av, dt: tl.constexpr, DK: tl.constexpr):
     return Q, K, V
 
 
-def _qkv_rows(conv, proj, s_pt, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.constexpr,
-              W: tl.constexpr):
+def _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.constexpr, W: tl.constexpr):
     """The prologue's q, k, v for tree nodes `rows` (mrow: valid): _conv_rows, then _qkv_finish.
     -> Q, K [R, BK], V [R, BV] fp32, 0 on invalid rows."""
-    aq, ak, av = _conv_rows(conv, proj, s_pt, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, W)
-    return _qkv_finish(aq, ak, av, proj.dtype.element_ty, DK)
+    aq, ak, av = _conv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, W)
+    return _qkv_finish(aq, ak, av, ext.dtype.element_ty, DK)
 
 
 def _squarings(A, X, NSQ: tl.constexpr, PREC: tl.constexpr):
@@ -158,7 +142,7 @@ def _gdn_tree_kernel(
     q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
-    conv, ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
+    ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr,
     PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr, ROOT: tl.constexpr,
@@ -187,16 +171,13 @@ def _gdn_tree_kernel(
     # the root's row then costs its arithmetic, not a second round of load latency.
     if PROLOGUE:  # q, k, v, g, beta from the projection, as GatedDeltaNet.qkvgb computes them
         cv = 2 * KD + h * DV + ov
-        aq, ak, av = _conv_rows(conv, proj, s_pt, window, conv_w, C, cq, KD + cq, cv, rows, mt, mk, mv, W)
+        aq, ak, av = _conv_rows(ext, window, conv_w, C, cq, KD + cq, cv, rows, mt, mk, mv, W)
         gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rows, mt)
-        own = mk & first & (h % REP == 0)  # the commit's conv inputs: q, k by one of a key head's programs
-        _ext_rows(conv, proj, s_pt, ext, C, cq, KD + cq, cv, own, mv, rows, mt, True, W)
         if ROOT:  # row 0 as a 2-row tile (the other row masked to 0), summed down to vectors below
             r0 = tl.arange(0, 2)
             m0 = r0 < 1
-            aq0, ak0, av0 = _conv_rows(conv, proj, s_pt, window, conv_w, C, cq, KD + cq, cv, r0, m0, mk, mv, W)
+            aq0, ak0, av0 = _conv_rows(ext, window, conv_w, C, cq, KD + cq, cv, r0, m0, mk, mv, W)
             g0, b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, r0, m0)
-            _ext_rows(conv, proj, s_pt, ext, C, cq, KD + cq, cv, own, mv, r0, m0, False, W)
     else:
         K = tl.load(k + rows[:, None] * s_kt + h * s_kh + ok[None, :], mask=mtk, other=0.0).to(f32)  # [BT, BK]
         gg = tl.load(g + rows * s_gt + h * s_gh, mask=mt, other=0.0).to(f32)
@@ -213,14 +194,14 @@ def _gdn_tree_kernel(
     c0 = 0.0
     if ROOT:  # the root's row of every output, and its U (the state S' = e^c0 S + k0 u0^T, unformed)
         if PROLOGUE:
-            Q0, K0, V0 = _qkv_finish(aq0, ak0, av0, proj.dtype.element_ty, DK)
+            Q0, K0, V0 = _qkv_finish(aq0, ak0, av0, ext.dtype.element_ty, DK)
             q0, k0, v0, c0, b0 = tl.sum(Q0, 0), tl.sum(K0, 0), tl.sum(V0, 0), tl.sum(g0, 0), tl.sum(b0, 0)
         else:
             c0 = g0
         u0 = _root_row(S, q0, k0, v0, c0, b0, o + h * s_oh + ov, ubuf + h * s_ubh + ov, kbuf + h * s_kbh + ok,
                        cbuf + h * s_cbh, mk, mv, first)
     if PROLOGUE:
-        Q, K, V = _qkv_finish(aq, ak, av, proj.dtype.element_ty, DK)
+        Q, K, V = _qkv_finish(aq, ak, av, ext.dtype.element_ty, DK)
     tl.store(kbuf + h * s_kbh + rows[:, None] * s_kbt + ok[None, :], K, mask=mtk & first)
     c = c0 + tl.sum(tl.where(on_path, gg[None, :], 0.0), 1)  # [BT]: summed log-decay along each node's path
     if ROOT:  # early: then k0 and q0 are dead
@@ -244,7 +225,7 @@ def _gdn_tree_kernel(
 
 
 def _gdn_prologue_kernel(
-    conv, ext, window, conv_w, proj, neg_a, dt_bias, q, k, v, g, beta,
+    ext, window, conv_w, proj, neg_a, dt_bias, q, k, v, g, beta,
     s_pt, C, HV, s_qt, s_qh, s_vt, s_vh, s_gt,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
@@ -258,10 +239,7 @@ def _gdn_prologue_kernel(
     ov = tl.arange(0, BV)
     mr, mk, mv = r < T, ok < DK, ov < DV
     cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
-    cv = 2 * KD + h * DV + ov
-    Q, K, V = _qkv_rows(conv, proj, s_pt, window, conv_w, C, cq, KD + cq, cv, r, mr, mk, mv, DK, W)
-    # the commit's conv inputs: q, k by one value head of each key head, the state's rows by block 0
-    _ext_rows(conv, proj, s_pt, ext, C, cq, KD + cq, cv, mk & (h % REP == 0), mv, r, mr, tl.program_id(0) == 0, W)
+    Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, r, mr, mk, mv, DK, W)
     gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, r, mr)  # b, a after qkv and z
     mrk = mr[:, None] & mk[None, :]
     tl.store(q + r[:, None] * s_qt + h * s_qh + ok[None, :], Q, mask=mrk)
@@ -495,24 +473,21 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
 
 
 @eager
-def gdn_prologue(layer, proj: torch.Tensor, window: torch.Tensor, conv=None, ext=None):
+def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor):
     """GatedDeltaNet.qkvgb's q, k, v, g, beta for a tree from its projection in one kernel
     (_gdn_prologue_kernel), for the blocked recurrence (the one-tile kernel has it inside:
-    gdn_tree_prologue). proj [T, N]; window [T, width]; the conv inputs read from the conv state
-    `conv` [hist, C] and proj's qkv columns, and written to `ext` [hist + T, C] for the commit
-    (None: the layer's conv_state and ext_buf). -> q, k [T, hv, dk], v [T, hv, dv], g, beta [T, hv],
-    all fp32. Twin: qkvgb (tests/ops/test_gdn_kernels.py)."""
+    gdn_tree_prologue). proj [T, N]; ext [hist + T, C]; window [T, width]. -> q, k [T, hv, dk],
+    v [T, hv, dv], g, beta [T, hv], all fp32. Twin: qkvgb (tests/ops/test_gdn_kernels.py)."""
     T, dev = proj.shape[0], proj.device
-    pro = _prologue_args(layer, proj, window, conv, ext)
-    hv, rep, kd, width = pro[9:]
+    ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
     q, k = (torch.empty(T, hv, layer.dk, dtype=torch.float32, device=dev) for _ in range(2))
     v = torch.empty(T, hv, layer.dv, dtype=torch.float32, device=dev)
     g, beta = (torch.empty(T, hv, dtype=torch.float32, device=dev) for _ in range(2))
     kern = _kernel(_gdn_prologue_kernel, interpret=not proj.is_cuda)
     with _on_device_of(proj):
         kern[(triton.cdiv(T, 16), hv)](
-            *pro[:7], q, k, v, g, beta,
-            *pro[7:10], q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
+            ext_, window_, w, proj_, neg_a, dt_bias, q, k, v, g, beta,
+            s_pt, C, hv, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
             T=T, DK=layer.dk, DV=layer.dv, BR=16, BK=_tile(layer.dk), BV=_tile(layer.dv), REP=rep, KD=kd, W=width,
         )
     return q, k, v, g, beta
@@ -573,28 +548,23 @@ def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tile
 
 
 @eager
-def gdn_tree_prologue(layer, proj: torch.Tensor, window: torch.Tensor, S0, path_mask, out, precision: str = "ieee",
-                      tiles=None, root: bool | None = None, conv=None, ext=None):
+def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
+                      precision: str = "ieee", tiles=None, root: bool | None = None):
     """The tree verify of GDN layer `layer` from its projection: the tree convolution + SiLU, q/k
     l2 norms, head repeat and gates (GatedDeltaNet.qkvgb) and then gdn_tree's recurrence, in one
-    kernel. proj [T, N] the fused input projection (qkv | z | b | a); window [T, width]; conv, ext
-    as gdn_prologue's (the conv inputs read where they are, written to ext for the commit).
-    -> o [T, hv, dv] fp32, `out` written as gdn_tree writes it; root as gdn_tree's. Twin: qkvgb +
-    gdn_tree (tests/ops/test_gdn_kernels.py)."""
+    kernel. proj [T, N] the fused input projection (qkv | z | b | a); ext [hist + T, C] the conv
+    inputs (state rows, then proj's qkv); window [T, width]. -> o [T, hv, dv] fp32, `out` written
+    as gdn_tree writes it; root as gdn_tree's. Twin: qkvgb + gdn_tree (tests/ops/test_gdn_kernels.py)."""
     return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, proj.shape[0], layer.hv,
-                        layer.dk, layer.dv, _prologue_args(layer, proj, window, conv, ext), precision, tiles, root)
+                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles, root)
 
 
-def _prologue_args(layer, proj, window, conv=None, ext=None) -> tuple:
-    """The prologue's kernel arguments for GDN layer `layer`: (conv state, ext, window, conv
-    weight, proj, -exp(A_log), dt_bias, proj's row stride, C, hv, value heads per key head, q's
-    channels, width); conv, ext None: the layer's conv_state and ext_buf rows (as project's cat)."""
-    conv = layer.conv_state if conv is None else conv
-    ext = layer.ext_buf[: layer.width - 1 + proj.shape[0]] if ext is None else ext
-    assert proj.stride(-1) == 1 and window.is_contiguous() and conv.is_contiguous()
-    assert ext.stride(-1) == 1 and ext.stride(0) == layer.conv_dim and ext.shape[0] >= layer.width - 1 + proj.shape[0]
+def _prologue_args(layer, proj, ext, window) -> tuple:
+    """The prologue's kernel arguments for GDN layer `layer`: (ext, window, conv weight, proj,
+    -exp(A_log), dt_bias, proj's row stride, C, hv, value heads per key head, q's channels, width)."""
+    assert proj.stride(-1) == 1 and ext.stride(-1) == 1 and ext.stride(0) == layer.conv_dim and window.is_contiguous()
     w, neg_a = layer._consts()
-    return (conv, ext, window, w, proj, neg_a, layer.dt_bias, proj.stride(0), layer.conv_dim, layer.hv,
+    return (ext, window, w, proj, neg_a, layer.dt_bias, proj.stride(0), layer.conv_dim, layer.hv,
             layer.hv // layer.hk, layer.hk * layer.dk, window.shape[1])
 
 
@@ -646,18 +616,18 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     prologue = pro is not None
     BV, warps = tiles or launch_tiles(n, dv, prologue)
     if not prologue:  # the prologue's pointer / int arguments go unused
-        pro = (S0,) * 7 + (0, 0, 0, 1, 0, 1)
+        pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
     kern = _kernel(_gdn_tree_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
             q, k, v, g, beta, S0, mask, o, kb, ub, cb,
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            *pro[:10],
+            *pro[:9],
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
             NSQ=max(0, (n - 1).bit_length() - 1), num_warps=warps, ROOT=T - n,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
-            PROLOGUE=prologue, REP=pro[10], KD=pro[11], W=pro[12],
+            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
         )
     return o
 
@@ -665,7 +635,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 if triton is not None:
     # device functions: of the prologue kernel (_qkv_rows), of both prologues (the rest)
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)
-    _conv_rows, _qkv_finish, _ext_rows = triton.jit(_conv_rows), triton.jit(_qkv_finish), triton.jit(_ext_rows)
+    _conv_rows, _qkv_finish = triton.jit(_conv_rows), triton.jit(_qkv_finish)
     _root_row, _root_step = triton.jit(_root_row), triton.jit(_root_step)  # of the one-tile kernel, of the solve
     _root_terms = triton.jit(_root_terms)  # of the one-tile kernel
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes

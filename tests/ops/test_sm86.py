@@ -596,11 +596,10 @@ def test_prologue_tree_kernel_tiles(monkeypatch, props):
         bf16 = dict(dtype=torch.bfloat16, device=META)
         proj = torch.empty(T, layer.in_proj_qkv.out_features + layer.hv * layer.dv + 2 * layer.hv, **bf16)
         out = [torch.empty(layer.hv, T, d, device=META) for d in (layer.dk, layer.dv)] + [torch.empty(layer.hv, T, device=META)]
-        gdn_tree.gdn_tree_prologue(layer, proj, torch.empty(T, layer.width, dtype=torch.long, device=META),
+        gdn_tree.gdn_tree_prologue(layer, proj, torch.empty(layer.width - 1 + T, layer.conv_dim, **bf16),
+                                   torch.empty(T, layer.width, dtype=torch.long, device=META),
                                    torch.empty(layer.hv, layer.dk, layer.dv, device=META),
-                                   torch.empty(T, T, dtype=torch.bool, device=META), out, "tf32x3",
-                                   conv=torch.empty(layer.width - 1, layer.conv_dim, **bf16),
-                                   ext=torch.empty(layer.width - 1 + T, layer.conv_dim, **bf16))
+                                   torch.empty(T, T, dtype=torch.bool, device=META), out, "tf32x3")
         monkeypatch.undo()
         (launch,) = log
         c = launch.kwargs
