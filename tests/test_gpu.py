@@ -96,16 +96,18 @@ def test_graphed_sampling_runs_and_is_seeded():
 def test_cuda_logits_match_transformers(T):
     """Our CUDA forward in fp32 (the tree kernels on a T-token chain) vs transformers' pure-torch
     model on CPU in fp64 (the exact twin; its CUDA fast path would be fla's kernels, whose fp32
-    dots are not exact): within 1e-4 of the largest logit, as the CPU forward (tests/model). The
-    reference is fp64 because transformers' own fp32 forward is up to 8e-5 from it here: our fp32
-    error measured against it would be half its own."""
+    dots are not exact): within 1e-4 of the largest logit, as the CPU forward (tests/model), on
+    seeds 0..3 (an H100 measured at most 3.6e-5 there). The reference is fp64 because transformers'
+    own fp32 forward is up to 6e-5 from it on these inputs. Some inputs are ill-conditioned: seed 7
+    measured 1.6e-4 at 17 and 33 tokens (the kernels under the interpreter, IEEE dots: 5.8e-5;
+    transformers' fp32: 2e-5); `scripts/check_logits_error.py` prints any seed's."""
     import copy
 
     raw = tiny_hybrid_config()
     m = build_random_target(raw, device="cuda")
     hf64 = copy.deepcopy(hf_reference(m, raw)).to("cpu", torch.float64)
     for seed in range(4):
-        toks = torch.randint(0, 97, (T,), generator=torch.Generator().manual_seed(seed))
+        toks = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(seed))[:T]
         with torch.no_grad():
             ref = hf64(toks[None]).logits[0]
             m.reset()
