@@ -164,3 +164,24 @@ def test_logits_scale_is_meaningful():
 
 def test_report_max_errors():
     MAX_ERR.report("model")
+
+
+def test_check_logits_error_script_runs_on_cpu(tmp_path):
+    """scripts/check_logits_error.py (the GPU logits test's diagnostic) still matches the code: on
+    CPU through the torch twins our fp32 forward is within the CPU tolerance of transformers' fp64
+    logits, and the rows it writes say so."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+
+    out = tmp_path / "err.json"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "check_logits_error.py"), "--device", "cpu",
+                        "--lengths", "9,17", "--seeds", "0,7", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=cli_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["T"], x["seed"]) for x in rows] == [(9, 0), (9, 7), (17, 0), (17, 7)]
+    assert all(0 < x["ours"] < TOL and 0 < x["transformers_fp32"] < TOL for x in rows), rows
+    assert "worst: ours" in r.stdout
