@@ -56,7 +56,7 @@ engine)  # "Qwen3.6-27B shapes, one GPU", "Qwen3-8B shapes", the transformers ro
     step engine.log "$PY" scripts/bench_engine.py --sizes 1,16,17,32,33,64,65 --out "$OUT/engine-long-$GPU.json"
     step engine-dense.log "$PY" scripts/bench_engine.py --parts dense --out "$OUT/engine-dense-$GPU.json"
     step engine.log "$PY" scripts/bench_engine.py --contexts 1024 --hf --out "$OUT/engine-$GPU.json"
-    step engine.log "$PY" scripts/bench_engine.py --contexts 1024 --sizes 1,16,17,32,33,64,65 --budgets 15,16,31,32,64 \
+    step engine.log "$PY" scripts/bench_engine.py --contexts 1024 --sizes 1,16,17,32,33,64,65 --budgets 15,16,31,32,63,64 \
         --profile --out "$OUT/engine-1k-$GPU.json"
     ;;
 codepair)  # "codepair on one GPU"
@@ -94,6 +94,7 @@ verify)  # "What misses its target, and why": the verify's weight GEMMs and its 
     ;;
 suite)  # the GPU-suite row of "Targets"
     step suite.log env DDTREE_FIXTURE="$FIXTURE" "$PY" -m pytest -q -m gpu -n 4 -p no:cacheprovider --durations=20 tests
+    step suite.log "$PY" scripts/check_logits_error.py --out "$OUT/logits-error-$GPU.json"  # the logits test's inputs and others
     ;;
 twogpu)  # "Two GPUs" (two GPUs), and one TP rank on the first
     step twogpu.log "$PY" scripts/bench_multigpu.py --tokens 32 --out "$OUT/multigpu-${GPU}x2.json"
