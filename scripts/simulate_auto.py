@@ -255,9 +255,13 @@ def _slot(T: int, chain: bool = False):
 
 
 class SimDecoder:
-    """What Auto.plan asks of a decoder: slots and staging slots by size."""
+    """What Auto.plan asks of a decoder: slots by size, and the staged chain's."""
 
-    slot = stage = staticmethod(_slot)
+    slot = staticmethod(_slot)
+
+    @staticmethod
+    def chain_stage(T: int):
+        return _slot(T, chain=True)
 
 
 def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory, sync: bool = False) -> tuple[int, float, dict]:

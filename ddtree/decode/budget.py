@@ -351,8 +351,9 @@ class Auto(Policy):
     """`--budget auto`: every drafting step stages what BudgetChooser.build_for says: a best-first
     tree of that budget, summarised per prefix (E_q and depth), or the block's top-1 chain (its
     E_q; every drafting step also reports the chain's E_q, so the chain's average stays current
-    under trees). When the host queues round r + 1 it verifies what is staged (a tiny piece copies
-    the tree into its budget's own slot) or takes 0, a plain step. Trees draft with k columns
+    under trees). When the host queues round r + 1 it verifies what is staged (a tree where its
+    step built it, in its budget's verify slot; a chain after a tiny piece copies it into its own)
+    or takes 0, a plain step (the tiny piece copies the staged root into the one-node slot). Trees draft with k columns
     whatever their budget: one compiled draft for all of them.
 
     A plain step costs what an `ar` step costs: its verify is the bonus alone, its step walks,
@@ -457,8 +458,9 @@ class Auto(Policy):
         """The plan of a round of arm b (0: a plain step) whose step stages `build` (None: it does not
         draft), after a step that staged `src` (None: a plain step that did not draft)."""
         slot = dec.slot(self.chooser.nodes(b) + 1)
-        # after a plain step slot(1) holds the root; else the root (and the tree) come from the staged draft
-        prefix_of = self.stage_of(dec, src) if src is not None else None
+        # after a plain step slot(1) holds the root; else the root (and the tree) come from the
+        # staged draft: a staged tree verified whole is read where its step built it (its slot)
+        prefix_of = None if src is None or (src == b and src != CHAIN) else self.stage_of(dec, src)
         if build is None:  # a plain step: the chosen token becomes slot(1)'s root
             return Plan(slot=slot, into=dec.slot(1), build=None, walk=1, prefix_of=prefix_of,
                         summary=self.nb, context="defer")
@@ -482,8 +484,11 @@ class Auto(Policy):
         return plans
 
     def stage_of(self, dec, build: int):
-        """The staging slot of a build: the chain's own (its shape fixed), or the tree budget's."""
-        return dec.stage(self.block, chain=True) if build == CHAIN else dec.stage(build + 1)
+        """Where a step stages a build: the chain in its own slot (its shape fixed: the chain
+        step writes tokens only), copied into the verify slot when verified; a tree budget b in
+        the verify slot of b + 1 nodes, which a round verifying that tree reads as it is (as a
+        fixed budget's rounds do) and a plain step copies its root from."""
+        return dec.chain_stage(self.block) if build == CHAIN else dec.slot(build + 1)
 
     def read(self, r, out, T):
         ch, now, keys = self.chooser, self.clock(), self.new_keys()

@@ -119,7 +119,7 @@ class Decoder:
         self.start_d = torch.zeros((), dtype=torch.long, device=dev)
         self.statics = Statics(dev)
         self._slots: dict[int, Slot] = {}
-        self._stages: dict[int, Slot] = {}
+        self._chain_stages: dict[int, Slot] = {}
         self._verify_cost: dict = {}  # auto.calibrate: (bucket, greedy, near the end) -> (verify ms, draft ms, AutoMemory)
         self.deferred = None  # auto's deferred drafter context (ddtree.decode.round.DeferredContext), made on first use
         self._compile_noticed = False
@@ -174,16 +174,17 @@ class Decoder:
             self._slots[T] = Slot(T, self.device)
         return self._slots[T]
 
-    def stage(self, T: int, chain: bool = False) -> Slot:
-        """--budget auto's staged tree of T nodes (chain: its staged chain, whose shape stays a
-        chain's: its steps write the tokens): never verified itself, only copied from."""
-        if (T, chain) not in self._stages:
-            s = self._stages[T, chain] = Slot(T, self.device)
-            s.chain = chain
+    def chain_stage(self, T: int) -> Slot:
+        """--budget auto's staged chain of T nodes, whose shape stays a chain's (its steps write
+        the tokens): never verified itself, only copied from (auto stages trees in their verify
+        slots)."""
+        if T not in self._chain_stages:
+            s = self._chain_stages[T] = Slot(T, self.device)
+            s.chain = True
             # a valid tree from the start (its root's parent is the committed prefix, -1)
             s.load(Tree.chain(torch.zeros(T, dtype=torch.long)))
             s.device_written()
-        return self._stages[T, chain]
+        return self._chain_stages[T]
 
     # ------------------------------------------------------------------ the pieces of a round
     def verify(self, slot: Slot, kv_len: int, sampling: SamplingParams, gen, taps: bool):

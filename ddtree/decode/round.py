@@ -139,6 +139,8 @@ class Pipeline:
             src = plan.prefix_of
             slot.device_written()
             dec.graphs.run(PrefixKey(slot.T, src.T - 1, src.chain), lambda: dec.copy_prefix(slot, src))
+        if plan.build is not None:  # its step rewrites into's tree on the device: a host load then uploads it whole
+            plan.into.device_written()
         sizes[r] = slot.T
         kv_len = dec.kv_len(start_bound + slot.T)
         draft_kv = dec.kv_len(start_bound + self.policy.P)

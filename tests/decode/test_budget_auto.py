@@ -443,3 +443,67 @@ def test_capture_ahead_covers_every_piece_a_generation_runs(kind, monkeypatch):
                     missed = set(runs) - ahead
                     assert not missed, (method, budget, sorted(map(str, missed))[:5])
                 dec.chooser_class = BudgetChooser
+
+
+def test_auto_verifies_a_staged_tree_where_its_step_built_it(monkeypatch):
+    """A step stages a tree in its budget's verify slot, so the round verifying it copies nothing:
+    auto's only copies (PrefixKey) are a plain step's root (one node) and a staged chain (its own
+    slot, whose shape stays a chain's). Under a chooser that picks at random (every arm, build,
+    plain step and probe) greedy tokens equal `ar`, and tree rounds ran."""
+    from ddtree.decode.graphs import PrefixKey, VerifyKey
+    from helpers import random_chooser
+
+    dec, _ = build_random_pair("hybrid", seed=7)
+    runs = []
+    real_run = dec.graphs.run
+    monkeypatch.setattr(dec.graphs, "run", lambda key, fn, keep=(): runs.append(key) or real_run(key, fn, keep))
+    prompt = torch.randint(2, 97, (25,), generator=torch.Generator().manual_seed(3)).tolist()
+    ar = dec.generate(prompt, "ar", max_new_tokens=40).token_ids
+    for seed in range(3):
+        dec.chooser_class = random_chooser(seed)
+        runs.clear()
+        got = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=40).token_ids
+        assert got == ar, seed
+        copies = [k for k in runs if isinstance(k, PrefixKey)]
+        assert copies and all(k.T == 1 or k.chain for k in copies), copies
+        assert {k.T for k in runs if isinstance(k, VerifyKey)} - {1, dec.block_size}, "no tree of another size verified"
+
+
+def test_host_loop_after_auto_uploads_the_slots_auto_built():
+    """Auto's steps build trees in the verify slots; the host-tree loop then loads its trees into
+    the same slots, and a chain whose shape it loaded before goes up as its tokens alone
+    (Slot.load). With a block of 16, auto's 15-node trees share dflash's 16-node slot: a slot the
+    device rewrites is marked so (auto's first upload, every build), and dflash's host loop after
+    auto still equals `ar`."""
+    import dataclasses
+
+    from ddtree.decode.decoder import Decoder
+    from ddtree.model.synthetic import build_random_drafter, build_random_target, tiny_drafter_config, tiny_hybrid_config
+    from helpers import random_chooser
+
+    raw = tiny_hybrid_config()
+    target = build_random_target(raw, seed=7)
+    dec = Decoder(target, build_random_drafter(tiny_drafter_config(raw, block_size=16), target, seed=8))
+    assert dec.block_size - 1 in AUTO_BUDGETS
+    prompt = torch.randint(2, 97, (25,), generator=torch.Generator().manual_seed(4)).tolist()
+    ar = dec.generate(prompt, "ar", max_new_tokens=40).token_ids
+    B = dec.block_size - 1
+
+    class Trees(BudgetChooser):  # 15-node trees only: nothing but their builds touches slot 16
+        def pick_eq(self, eq):
+            return B, eq.get(B, 0.0)
+
+        def build_for(self, b, r):
+            self.last_build = B
+            return B
+
+    pipelined, host = dec.options, dataclasses.replace(dec.options, host_rounds=True)
+    for chooser in (Trees, random_chooser(0), random_chooser(1)):
+        dec.options = host
+        assert dec.generate(prompt, "dflash", max_new_tokens=40).token_ids == ar  # the chain's shape, loaded
+        dec.options, dec.chooser_class = pipelined, chooser
+        r = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=40)
+        assert r.token_ids == ar
+        assert chooser is not Trees or {x.tree_size for x in r.rounds} == {B}
+        dec.options = host
+        assert dec.generate(prompt, "dflash", max_new_tokens=40).token_ids == ar, chooser

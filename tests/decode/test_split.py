@@ -166,7 +166,7 @@ class StageAudit(TorchDispatchMode):
         for v in dec.statics._bufs.values():
             for x in (v if isinstance(v, tuple) else (v,)):
                 self.own(x, [home])
-        for slot in list(dec._slots.values()) + list(dec._stages.values()):
+        for slot in list(dec._slots.values()) + list(dec._chain_stages.values()):
             for x in _held(slot):
                 self.own(x, [home])
 
