@@ -56,6 +56,7 @@ class AutoMemory:
         self.round_ms: dict[int, deque] = {}
         self.eq_avg: dict[int, float] = {}  # arm -> decayed average of the staged trees' (chain's) E_q
         self.cost_ms: dict[int, float] = {}  # arm -> the median of round_ms[arm]
+        self.timings = 0  # timed rounds so far: the choosers' cost caches hold for one count
         self.acc = self.pred = 1.0  # prior: the drafter's probabilities are honest
         self.probe_every = PLAIN_PROBE
 
@@ -101,6 +102,7 @@ class BudgetChooser:
         if self.chain_ms is None:
             self.chain = None
         self.mem = memory or AutoMemory()
+        self._costs: tuple[dict, int] = ({}, -1)  # (arm -> cost, mem.timings it holds for)
         bs = sorted(verify_ms)
         # what the last drafting step built: the chain first (the cheapest step, and timed first
         # it prices the untried trees by it), else the budget of the block's chain (15)
@@ -140,7 +142,17 @@ class BudgetChooser:
         return self.plain_ms if arm == 0 else self.chain_ms if arm == CHAIN else self.verify_ms[arm]
 
     def cost(self, arm: int) -> float:
-        """ms of a round of `arm` (0: a plain step)."""
+        """ms of a round of `arm` (0: a plain step). Kept until the next timed round: a round's
+        choices ask it of every arm several times (the host's share of a round on a GPU)."""
+        cache, timings = self._costs
+        if timings != self.mem.timings:
+            cache, timings = self._costs = {}, self.mem.timings
+        c = cache.get(arm)
+        if c is None:
+            c = cache[arm] = self._cost(arm)
+        return c
+
+    def _cost(self, arm: int) -> float:
         known = self.mem.cost_ms
         if arm in known:
             return known[arm]
@@ -151,7 +163,8 @@ class BudgetChooser:
 
     def rates(self, eq: dict[int, float]) -> dict[int, float]:
         """Expected tokens per ms of every arm at hand (eq: arm -> its E_q) and of a plain step."""
-        rate = {a: (1 + self.ratio() * e) / self.cost(a) for a, e in eq.items() if self.drafts(a)}
+        k = self.ratio()
+        rate = {a: (1 + k * e) / self.cost(a) for a, e in eq.items() if self.drafts(a)}
         if self.plain_ms is not None:
             rate[0] = 1.0 / self.cost(0)
         return rate
@@ -192,7 +205,8 @@ class BudgetChooser:
         if self.plain_ms is None:
             return False
         avg = self.mem.eq_avg or eq or {}
-        trees = [(1 + self.ratio() * e) / self.cost(b) for b, e in avg.items() if self.drafts(b)]
+        k = self.ratio()
+        trees = [(1 + k * e) / self.cost(b) for b, e in avg.items() if self.drafts(b)]
         return not trees or 1.0 / self.cost(0) > max(trees)
 
     def worth_verify(self, eq: dict[int, float], budgets) -> bool:
@@ -207,7 +221,8 @@ class BudgetChooser:
         if self.plain_ms is None:
             return True
         plain = self.cost(0)
-        return any((1 + self.ratio() * eq[b]) * plain >= min(self.cost(b), self._base(b)) for b in budgets)
+        k = self.ratio()
+        return any((1 + k * eq[b]) * plain >= min(self.cost(b), self._base(b)) for b in budgets)
 
     def wants_tree(self, eq: dict[int, float]) -> bool:
         """During plain steps: would trees pay now, on the measurements? (Then the next plain step
@@ -225,7 +240,8 @@ class BudgetChooser:
         known, avg = self.mem.cost_ms, self.mem.eq_avg
         arms = [a for a in avg if self.drafts(a)]
         if arms and any(self.drafts(a) for a in known):
-            self.last_build = max(arms, key=lambda a: (1 + self.ratio() * avg[a]) / self.cost(a))
+            k = self.ratio()
+            self.last_build = max(arms, key=lambda a: (1 + k * avg[a]) / self.cost(a))
         return self.last_build
 
     def probe_answered(self, b: int):
@@ -239,6 +255,7 @@ class BudgetChooser:
             seen = self.mem.round_ms.setdefault(arm, deque(maxlen=ROUND_SAMPLES))
             seen.append(wall_ms)
             self.mem.cost_ms[arm] = statistics.median(seen)
+            self.mem.timings += 1
 
     def update_plain(self, wall_ms: float | None):
         """A plain step's wall time (the time between two reads)."""
