@@ -48,7 +48,7 @@ class AutoMemory:
     round_ms: arm -> the wall ms of its last ROUND_SAMPLES timed rounds (arm 0: a plain step, CHAIN
               the chain, b a best-first tree of b draft nodes; a
               round is timed from the host's read of the round before it to its own read, so it
-              is the whole round: verify, step, drafter, tree, prefix copy and host work);
+              is the whole round: verify, step, drafter, tree, any prefix copy and host work);
     acc, pred: the decayed sums of accepted draft tokens and of E_q over the tree rounds;
     probe_every: the plain-run length after which a plain step drafts again (a probe)."""
 
