@@ -370,8 +370,8 @@ class Auto(Policy):
     E_q; every drafting step also reports the chain's E_q, so the chain's average stays current
     under trees). When the host queues round r + 1 it verifies what is staged (a tree where its
     step built it, in its budget's verify slot; a chain after a tiny piece copies it into its own)
-    or takes 0, a plain step (the tiny piece copies the staged root into the one-node slot). Trees draft with k columns
-    whatever their budget: one compiled draft for all of them.
+    or takes 0, a plain step (the tiny piece copies the staged root into the one-node slot).
+    Trees draft with k columns whatever their budget: one compiled draft for all of them.
 
     A plain step costs what an `ar` step costs: its verify is the bonus alone, its step walks,
     commits and keeps the root's tap row aside ("defer"; the drafter's context gets the deferred
