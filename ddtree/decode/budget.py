@@ -258,7 +258,16 @@ class BudgetChooser:
             self.mem.timings += 1
 
     def update_plain(self, wall_ms: float | None):
-        """A plain step's wall time (the time between two reads)."""
+        """A plain step's wall time (the time between two reads). The acceptance evidence fades
+        with each plain step, its ratio kept and its weight decayed down to one round's: the text
+        moves on during a plain run, so the sample after a probe weighs as much as all the rounds
+        before the run (otherwise a run begun after a few rejected trees outlasts good samples:
+        one accepting 10 to 15 of a 64-node tree's draft was answered by 64 more plain steps in
+        `scripts/simulate_auto.py --bench` replays of an H100's codepair costs)."""
+        m = self.mem
+        if m.pred > 1.0:
+            f = max(self.decay, 1.0 / m.pred)
+            m.acc, m.pred = f * m.acc, f * m.pred
         self.timed(0, wall_ms)
 
     def update(self, budget: int, predicted: float, accepted: int, wall_ms: float | None):
