@@ -261,9 +261,9 @@ class BudgetChooser:
         """A plain step's wall time (the time between two reads). The acceptance evidence fades
         with each plain step, its ratio kept and its weight decayed down to one round's: the text
         moves on during a plain run, so the sample after a probe weighs as much as all the rounds
-        before the run (otherwise a run begun after a few rejected trees outlasts good samples:
-        one accepting 10 to 15 of a 64-node tree's draft was answered by 64 more plain steps in
-        `scripts/simulate_auto.py --bench` replays of an H100's codepair costs)."""
+        before the run (otherwise a run begun after a few rejected trees outlasts good samples: in
+        `scripts/simulate_auto.py --bench` replays at an H100's codepair costs a sample that took
+        3 tokens in one 15-node round was answered by 64 more plain steps)."""
         m = self.mem
         if m.pred > 1.0:
             f = max(self.decay, 1.0 / m.pred)
