@@ -258,16 +258,7 @@ class BudgetChooser:
             self.mem.timings += 1
 
     def update_plain(self, wall_ms: float | None):
-        """A plain step's wall time (the time between two reads). The acceptance evidence fades
-        with each plain step, its ratio kept and its weight decayed down to one round's: the text
-        moves on during a plain run, so the sample after a probe weighs as much as all the rounds
-        before the run (otherwise a run begun after a few rejected trees outlasts good samples: in
-        `scripts/simulate_auto.py --bench` replays at an H100's codepair costs a sample that took
-        3 tokens in one 15-node round was answered by 64 more plain steps)."""
-        m = self.mem
-        if m.pred > 1.0:
-            f = max(self.decay, 1.0 / m.pred)
-            m.acc, m.pred = f * m.acc, f * m.pred
+        """A plain step's wall time (the time between two reads)."""
         self.timed(0, wall_ms)
 
     def update(self, budget: int, predicted: float, accepted: int, wall_ms: float | None):

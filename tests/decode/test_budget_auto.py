@@ -209,30 +209,6 @@ def test_auto_chain_arm_is_exact(kind):
     assert sum(r.accepted for r in chains) >= 2 * len(chains)
 
 
-def test_plain_steps_fade_the_acceptance_evidence_not_its_ratio():
-    """During a plain run the acceptance ratio keeps its value while its weight decays to one
-    round's, so the sample after a probe moves it: ten rejected trees no longer outvote a sample
-    that accepts what the drafter expected."""
-    def rejected_ten():
-        ch = BudgetChooser({4: 1.0}, plain_ms=0.5)
-        for _ in range(10):
-            ch.update(4, 3.0, 0, None)
-        return ch
-
-    ch = rejected_ten()
-    low = ch.ratio()
-    for _ in range(50):
-        ch.update_plain(None)
-    assert ch.ratio() == pytest.approx(low) and ch.mem.pred == pytest.approx(1.0)
-    ch.update(4, 3.0, 3, None)  # the probe's sample accepts its E_q
-    ref = rejected_ten()
-    ref.update(4, 3.0, 3, None)  # the same sample with no plain run before it
-    assert low < 0.02 and ch.ratio() > 0.7 and ref.ratio() < 0.2
-    prior = BudgetChooser({4: 1.0}, plain_ms=0.5)
-    prior.update_plain(None)  # the prior (one round's weight) does not fade
-    assert prior.mem.acc == prior.mem.pred == 1.0
-
-
 def test_probe_interval_doubles_when_probes_do_not_pay():
     """After a probe's sample the chooser answers with another plain step: the interval doubles up to
     PLAIN_PROBE_MAX; a tree chosen after a probe resets it."""
