@@ -93,7 +93,7 @@ verify)  # "What misses its target, and why": the verify's weight GEMMs and its 
         --out "$OUT/verify-fused-$GPU.json"
     ;;
 suite)  # the GPU-suite row of "Targets"
-    step suite.log env DDTREE_FIXTURE="$FIXTURE" "$PY" -m pytest -q -m gpu -n 4 -p no:cacheprovider --durations=20 tests
+    step suite.log env DDTREE_FIXTURE="$FIXTURE" "$PY" -m pytest -q -m gpu -n 6 -p no:cacheprovider --durations=20 tests
     step suite.log "$PY" scripts/check_logits_error.py --out "$OUT/logits-error-$GPU.json"  # the logits test's inputs and others
     ;;
 twogpu)  # "Two GPUs" (two GPUs), and one TP rank on the first
