@@ -37,6 +37,7 @@ PLAIN_PROBE = 16  # auto: after this many plain steps in a row, one drafts again
 PLAIN_PROBE_MAX = DEFERRED_ROWS  # ... and after probes that did not pay, up to this many (doubling; the
 #                                  drafter's cache has room for that many deferred context rows)
 ROUND_SAMPLES = 8  # auto: an arm's round cost is the median of its last this many timed rounds
+SLOW_DECAY = 0.97  # auto: the decay of the long-memory acceptance ratio behind plain_pays (BudgetChooser)
 CHAIN = -1  # auto's chain arm: it verifies the block's top-1 chain, and its step drafts the next chain
 
 
@@ -50,6 +51,7 @@ class AutoMemory:
               round is timed from the host's read of the round before it to its own read, so it
               is the whole round: verify, step, drafter, tree, any prefix copy and host work);
     acc, pred: the decayed sums of accepted draft tokens and of E_q over the tree rounds;
+    slow_acc, slow_pred: the same sums decayed by SLOW_DECAY (about 33 rounds' memory against 10);
     probe_every: the plain-run length after which a plain step drafts again (a probe)."""
 
     def __init__(self):
@@ -58,6 +60,7 @@ class AutoMemory:
         self.cost_ms: dict[int, float] = {}  # arm -> the median of round_ms[arm]
         self.timings = 0  # timed rounds so far: the choosers' cost caches hold for one count
         self.acc = self.pred = 1.0  # prior: the drafter's probabilities are honest
+        self.slow_acc = self.slow_pred = 1.0
         self.probe_every = PLAIN_PROBE
 
 
@@ -130,6 +133,15 @@ class BudgetChooser:
         would learn only from the budgets chosen, and keep the others where an unlucky round left them)."""
         return self.acc / self.pred
 
+    def plain_ratio(self) -> float:
+        """The ratio behind plain_pays: the larger of ratio() and its long-memory twin (decay
+        SLOW_DECAY). A plain step starts a run that lasts until a probe (16 to 64 steps), while a
+        tree is chosen again every round, so a few unlucky rounds must not buy a plain run on their
+        own: on the codepair drafters' traces at an H100's round costs (`scripts/simulate_auto.py
+        --bench`) a ratio that fell to 0.26 after a bad stretch kept `drafter-large` on 63-step
+        plain runs through a prompt where dflash ran 1.8x `ar`."""
+        return max(self.ratio(), self.mem.slow_acc / self.mem.slow_pred)
+
     def drafts(self, arm: int) -> bool:
         """Is `arm` one of this chooser's drafting arms (a tree budget, or the chain where it is on)?"""
         return arm in self.verify_ms if arm > 0 else arm == CHAIN and self.chain is not None
@@ -201,11 +213,12 @@ class BudgetChooser:
             avg[b] = e if restart or b not in avg else d * avg[b] + (1 - d) * e
 
     def plain_pays(self, eq: dict[int, float] | None = None) -> bool:
-        """Does a plain step beat the best tree on the average E_q seen (on eq before any)?"""
+        """Does a plain step beat the best tree on the average E_q seen (on eq before any), at
+        plain_ratio?"""
         if self.plain_ms is None:
             return False
         avg = self.mem.eq_avg or eq or {}
-        k = self.ratio()
+        k = self.plain_ratio()
         trees = [(1 + k * e) / self.cost(b) for b, e in avg.items() if self.drafts(b)]
         return not trees or 1.0 / self.cost(0) > max(trees)
 
@@ -263,8 +276,9 @@ class BudgetChooser:
 
     def update(self, budget: int, predicted: float, accepted: int, wall_ms: float | None):
         """A tree round of `budget`: its E_q, the draft tokens it accepted, its wall time."""
-        d, m = self.decay, self.mem
-        m.acc, m.pred = d * m.acc + accepted, d * m.pred + max(predicted, 1e-6)
+        d, m, e = self.decay, self.mem, max(predicted, 1e-6)
+        m.acc, m.pred = d * m.acc + accepted, d * m.pred + e
+        m.slow_acc, m.slow_pred = SLOW_DECAY * m.slow_acc + accepted, SLOW_DECAY * m.slow_pred + e
         self.timed(budget, wall_ms)
 
 
