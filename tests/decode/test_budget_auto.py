@@ -507,3 +507,32 @@ def test_host_loop_after_auto_uploads_the_slots_auto_built():
         assert chooser is not Trees or {x.tree_size for x in r.rounds} == {B}
         dec.options = host
         assert dec.generate(prompt, "dflash", max_new_tokens=40).token_ids == ar, chooser
+
+
+def test_a_few_unlucky_rounds_do_not_buy_a_plain_run():
+    """Plain steps against trees reads the larger of the short-memory acceptance ratio and its
+    long-memory twin (plain_ratio): a plain step starts a run that lasts until a probe, while a
+    tree is chosen again every round. After a long stretch of trees accepting what the drafter
+    predicted, ten rounds that accept nothing sink the short ratio (0.9 decay) but not the long
+    one, and trees stay; a long stretch of rejections sinks both, and plain steps win."""
+    from ddtree.decode.budget import SLOW_DECAY
+
+    ch = _among_trees({4: 9.2, 15: 9.6}, {4: 12.0, 15: 13.0}, plain_ms=9.0)
+    eq = {4: 0.5, 15: 1.0}
+    for _ in range(60):  # the drafter's E_q accepted as predicted
+        ch.observe(eq)
+        ch.update(15, 1.0, 1, wall_ms=13.0)
+    for _ in range(10):  # then a short unlucky stretch
+        ch.update(15, 1.0, 0, wall_ms=13.0)
+    short, long_ = ch.ratio(), ch.mem.slow_acc / ch.mem.slow_pred
+    assert short < 0.4 < 0.6 < long_ and ch.plain_ratio() == long_
+    assert (1 + short * 1.0) / 13.0 < 1 / 9.0 < (1 + long_ * 1.0) / 13.0  # the short ratio alone says plain
+    assert not ch.plain_pays()
+    for _ in range(60):  # a long stretch of rejections: both ratios fall
+        ch.update(15, 1.0, 0, wall_ms=13.0)
+    assert ch.plain_ratio() < 0.2 and ch.plain_pays()
+    # the long memory is SLOW_DECAY's: one round's weight is 1 - SLOW_DECAY of the sum's limit
+    m = ch.mem
+    a, p = m.slow_acc, m.slow_pred
+    ch.update(15, 2.0, 2, wall_ms=13.0)
+    assert math.isclose(m.slow_acc, SLOW_DECAY * a + 2) and math.isclose(m.slow_pred, SLOW_DECAY * p + 2.0)
