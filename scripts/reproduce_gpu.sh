@@ -56,8 +56,11 @@ engine)  # "Qwen3.6-27B shapes, one GPU", "Qwen3-8B shapes", the transformers ro
     step engine.log "$PY" scripts/bench_engine.py --sizes 1,16,17,32,33,64,65 --out "$OUT/engine-long-$GPU.json"
     step engine-dense.log "$PY" scripts/bench_engine.py --parts dense --out "$OUT/engine-dense-$GPU.json"
     step engine.log "$PY" scripts/bench_engine.py --contexts 1024 --hf --out "$OUT/engine-$GPU.json"
-    step engine.log "$PY" scripts/bench_engine.py --contexts 1024 --sizes 1,16,17,32,33,64,65 --budgets 15,16,31,32,63,64 \
-        --profile --out "$OUT/engine-1k-$GPU.json"
+    # the H100 table, the kernels' profile and the projection's split: 1K and 32K profiled, then 128K
+    step engine.log "$PY" scripts/bench_engine.py --contexts 1024,32768 --sizes 1,16,17,32,33,64,65 --budgets 15,16,31,32,63,64 \
+        --profile --out "$OUT/engine-1k-32k-$GPU.json"
+    step engine.log "$PY" scripts/bench_engine.py --contexts 131072 --sizes 1,16,17,32,33,64,65 --budgets 15,16,31,32,63,64 \
+        --out "$OUT/engine-128k-$GPU.json"
     ;;
 codepair)  # "codepair on one GPU"
     step codepair.log "$PY" scripts/bench_auto.py --fixture "$FIXTURE" --out-dir "$OUT/auto-$GPU"
