@@ -93,7 +93,13 @@ def main(argv=None) -> int:
         print("| " + " | ".join([r["drafter"], r["dtype"]] + [f"{t.get(k, 0):.0f}" for k in FIXED + ("ddtree-auto",)]
                                 + [r["best_fixed"], f"{r['auto_vs_best']:.3f}", f"{r['auto_plain_share']:.0%}",
                                    str(sum(v or 0 for v in r["captures"].values())), str(r["all_exact"])]) + " |")
-    (args.out_dir / "bench-auto.json").write_text(json.dumps({"rows": rows, "seconds": time.perf_counter() - t_all}, indent=1))
+    from scripts.bench_engine import git_commit
+
+    meta = doc["metadata"]  # the last run's: every run shares the machine and the code
+    where = {"gpu": ", ".join(meta.get("gpus") or []) or "CPU", "torch": meta.get("torch_version"),
+             "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "command": "python scripts/bench_auto.py " + " ".join(argv or sys.argv[1:])}
+    (args.out_dir / "bench-auto.json").write_text(json.dumps({**where, "rows": rows, "seconds": time.perf_counter() - t_all},
+                                                             indent=1))
     print(f"\n{time.perf_counter() - t_all:.0f} s in all; wrote {args.out_dir / 'bench-auto.json'}")
     return 0
 
