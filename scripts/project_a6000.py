@@ -6,7 +6,7 @@ CPU from `scripts/bench_engine.py --profile` results and feeds docs/PERFORMANCE.
 section:
 
     python scripts/project_a6000.py results/engine-1k-32k-h100.json results/engine-128k-h100.json \
-        results/engine-h100.json results/engine-long-h200.json --out results/projection-2xa6000-h100.json
+        results/engine-1k-32k-h200.json results/engine-128k-h200.json --out results/projection-2xa6000-h100.json
 
 The split (the first input with a profile, at its profiled context L0), per unit (AR step, dflash
 round, ddtree round per budget):
