@@ -304,6 +304,36 @@ def test_prologue_kernel_matches_qkvgb(cfg):
         ERR.note("prologue kernel mixer", assert_rel(layer._tree_fused(x, fused), layer.forward(x, s), 1e-5, f"T={T}"))
 
 
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_blocked_prologue_kernel_matches_torch_prologue(cfg):
+    """The blocked verify from the projection (gdn_tree.gdn_tree_blocked_prologue: the prologue
+    inside the first pass, of 16-node blocks (each block's program also making the earlier
+    blocks' keys from the conv) or of one 64-node block per head; or the prologue kernel ahead of
+    the blocks, its twin in the sweeps) against qkvgb +
+    tree_wy on random trees, chains and stars of 2 to 65 nodes (every size around 16, 32 and 64)
+    and random conv and recurrent states, the root folded or not: outputs and commit scratch."""
+    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
+    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
+    g_ = torch.Generator().manual_seed(8)
+    sizes = (2, 3, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65)
+    for i, T in enumerate(sizes):
+        shape = ("random", "chain", "star")[i % 3]
+        mask, x, s = _random_tree_step(model, layer, T, g_, shape)
+        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
+        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
+        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
+        proj = layer.in_proj(x)
+        cases = [(16, r, True) for r in (None, True, False)] + [(64, None, True), (16, None, False)]
+        for block, root, fused in cases:
+            got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
+            o = gdn_tree.gdn_tree_blocked_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got,
+                                                   block=block, root=root, fused=fused)
+            what = f"T={T} {shape} block={block} root={root} fused={fused}"
+            ERR.note("blocked prologue", assert_rel(o, o_ref, 1e-5, what))
+            for a, b in zip(got, scratch):
+                ERR.note("blocked prologue scratch", assert_rel(a, b, 1e-5, what))
+
+
 @pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
 def test_decoding_through_the_prologue_kernel_equals_torch_path(monkeypatch, method, budget):
     """Whole decoders with every tree verify's GDN layer in the prologue kernel (tree_prologue up
@@ -335,23 +365,21 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method,
     assert toks[True] == toks[False] and calls
 
 
-@pytest.mark.parametrize("prologue", [65, 0], ids=["prologue-kernel", "torch-prologue"])
+@pytest.mark.parametrize("prologue", [65, 0], ids=["prologue-inside", "torch-prologue"])
 def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prologue):
     """A 41-node tree (budget 40: past auto's one-tile sizes at this model's dk 8) verified by the
     blocked kernel in every GDN layer (on CPU, and on Hopper, one 64-node block; 16-node blocks
-    elsewhere), after the prologue kernel or the torch prologue: greedy tokens equal the torch
-    path's, and the kernels were used."""
+    elsewhere), with the prologue inside its first pass or after the torch prologue: greedy
+    tokens equal the torch path's, and the kernels were used as said."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4)).tolist()
-    calls, pro, real, real_pro = [], [], gdn_tree.gdn_tree_blocked, gdn_tree.gdn_prologue
-    monkeypatch.setattr(gdn_tree, "gdn_tree_blocked", lambda *a: calls.append(a[0].shape[0]) or real(*a))  # spies
-    monkeypatch.setattr(gdn_tree, "gdn_prologue", lambda *a: pro.append(a[1].shape[0]) or real_pro(*a))
+    calls, real = [], gdn_tree._launch_blocked
+    monkeypatch.setattr(gdn_tree, "_launch_blocked", lambda *a: calls.append((a[0].shape[0], a[-1] is not None)) or real(*a))  # a spy
     toks = {}
     for on in (True, False):
         opts = FAST.replace(tree_prologue=prologue) if on else FAST.replace(tree_kernel="off")
         dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
         toks[on] = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
-    assert toks[True] == toks[False] and calls and set(calls) == {41}
-    assert set(pro) == ({41} if prologue else set())
+    assert toks[True] == toks[False] and calls and set(calls) == {(41, bool(prologue))}
 
 
 @pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40), (7, 128)])

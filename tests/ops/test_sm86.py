@@ -308,7 +308,8 @@ SCALARS = {"_tree_kernel": ("B", "K", "KBV", "D"), "_walk_kernel": ("T", "P", "P
 EXHAUSTIVE = os.environ.get("DDTREE_SM86_ALL") == "1"
 KERNELS = {"_gdn_step_kernel": "gdn", "_gdn_tree_kernel": "gdn",
            "_gdn_tree_mats_kernel": "gdn", "_gdn_tree_solve_kernel": "gdn",  # (_gdn_tree_mats_head_kernel: Hopper only, gdn_tree.block_nodes)
-           "_gdn_prologue_kernel": "gdn", "_gated_norm_kernel": "gdn", "_gdn_commit_kernel": "gdn", "_conv_commit_kernel": "gdn", "_kv_commit_kernel": "kv", "_tree_kernel": "tree",
+           "_gated_norm_kernel": "gdn",  # (_gdn_prologue_kernel: the fused first pass's twin, in scripts/bench_verify.py)
+           "_gdn_commit_kernel": "gdn", "_conv_commit_kernel": "gdn", "_kv_commit_kernel": "kv", "_tree_kernel": "tree",
            "_walk_kernel": "walk", "_attn_fwd_kernel": "attention", "_attn_merge_kernel": "attention"}  # kernel -> the launches that make it
 MISSING = {"gdn": TARGET_MISSING, "attention": ATTENTION_MISSING}  # a family that cannot be recorded, and why
 FAMILIES = {f for f in KERNELS.values() if not MISSING.get(f)}
