@@ -356,7 +356,8 @@ def tree_mixer(layer: GatedDeltaNet, proj: torch.Tensor, ext: torch.Tensor, wind
                path_mask: torch.Tensor, scratch: tuple, kn: Kernels) -> torch.Tensor:
     """GDN layer `layer`'s mixer for a tree verify from its projection, in Triton kernels: the
     one-tile tree kernel with the prologue inside (gdn_tree.gdn_tree_prologue), or for larger
-    trees the prologue kernel ahead of the blocked recurrence, then the gated norm
+    trees the blocked recurrence with the prologue inside its first pass or in a kernel ahead of
+    it (gdn_tree.gdn_tree_blocked_prologue, Kernels.blocked_prologue_inside), then the gated norm
     (ddtree.ops.gated_norm). One eager call between the compiled projections: the tree's sizes
     are host ints here, and nothing between the kernels is left to a resume frame's compile.
     -> [T, hv * dv] in the model dtype."""
@@ -365,7 +366,7 @@ def tree_mixer(layer: GatedDeltaNet, proj: torch.Tensor, ext: torch.Tensor, wind
         o = gdn_tree.gdn_tree_prologue(layer, proj, ext, window, layer.rec_state, path_mask, scratch, kn.tree_precision)
     else:
         o = gdn_tree.gdn_tree_blocked_prologue(layer, proj, ext, window, layer.rec_state, path_mask, scratch,
-                                               kn.tree_precision)
+                                               kn.tree_precision, fused=kn.blocked_prologue_inside)
     z = proj[:, layer.conv_dim : layer.conv_dim + layer.hv * layer.dv]
     return gated_norm.gated_norm(o, z, layer.norm.weight, layer.norm.eps, proj.dtype)
 

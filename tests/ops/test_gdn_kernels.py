@@ -365,21 +365,22 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method,
     assert toks[True] == toks[False] and calls
 
 
-@pytest.mark.parametrize("prologue", [65, 0], ids=["prologue-inside", "torch-prologue"])
-def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prologue):
+@pytest.mark.parametrize("prologue,where", [(65, "inside"), (65, "kernel"), (0, "kernel")],
+                         ids=["prologue-inside", "prologue-kernel", "torch-prologue"])
+def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prologue, where):
     """A 41-node tree (budget 40: past auto's one-tile sizes at this model's dk 8) verified by the
     blocked kernel in every GDN layer (on CPU, and on Hopper, one 64-node block; 16-node blocks
-    elsewhere), with the prologue inside its first pass or after the torch prologue: greedy
-    tokens equal the torch path's, and the kernels were used as said."""
+    elsewhere), with the prologue inside its first pass, in its own kernel ahead of it, or after
+    the torch prologue: greedy tokens equal the torch path's, and the kernels were used as said."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4)).tolist()
     calls, real = [], gdn_tree._launch_blocked
     monkeypatch.setattr(gdn_tree, "_launch_blocked", lambda *a: calls.append((a[0].shape[0], a[-1] is not None)) or real(*a))  # a spy
     toks = {}
     for on in (True, False):
-        opts = FAST.replace(tree_prologue=prologue) if on else FAST.replace(tree_kernel="off")
+        opts = FAST.replace(tree_prologue=prologue, blocked_prologue=where) if on else FAST.replace(tree_kernel="off")
         dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
         toks[on] = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
-    assert toks[True] == toks[False] and calls and set(calls) == {(41, bool(prologue))}
+    assert toks[True] == toks[False] and calls and set(calls) == {(41, prologue > 0 and where == "inside")}
 
 
 @pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40), (7, 128)])
