@@ -142,8 +142,9 @@ def _prologue_store(ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV, q, k
                     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, h, rows, mrow,
                     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REP: tl.constexpr,
                     KD: tl.constexpr, W: tl.constexpr):
-    """The prologue of value head h for nodes `rows` (mrow: valid), as _gdn_prologue_kernel
-    computes it, stored to the fp32 q, k, v, g, beta. -> its beta [R] (0 on invalid rows)."""
+    """The prologue of value head h for nodes `rows` (mrow: valid), as GatedDeltaNet.qkvgb
+    computes it, stored to the fp32 q, k, v, g, beta (of the prologue kernel and of both first
+    passes with PROLOGUE). -> its beta [R] (0 on invalid rows)."""
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BV)
     mk, mv = ok < DK, ov < DV
@@ -256,18 +257,9 @@ def _gdn_prologue_kernel(
     # times, cheaper than a second launch). q, k [T, HV, DK], v [T, HV, DV], g, beta [T, HV] fp32.
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     h = tl.program_id(1)
-    ok = tl.arange(0, BK)
-    ov = tl.arange(0, BV)
-    mr, mk, mv = r < T, ok < DK, ov < DV
-    cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
-    Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, r, mr, mk, mv, DK, W)
-    gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, r, mr)  # b, a after qkv and z
-    mrk = mr[:, None] & mk[None, :]
-    tl.store(q + r[:, None] * s_qt + h * s_qh + ok[None, :], Q, mask=mrk)
-    tl.store(k + r[:, None] * s_qt + h * s_qh + ok[None, :], K, mask=mrk)  # (k is shaped and strided as q)
-    tl.store(v + r[:, None] * s_vt + h * s_vh + ov[None, :], V, mask=mr[:, None] & mv[None, :])
-    tl.store(g + r * s_gt + h, gg, mask=mr)
-    tl.store(beta + r * s_gt + h, bb, mask=mr)
+    _prologue_store(ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV, q, k, v, g, beta,
+                    s_qt, s_qh, s_qt, s_qh, s_vt, s_vh, s_gt, 1, s_gt, 1, h, r, r < T,
+                    DK, DV, BK, BV, REP, KD, W)  # (k is shaped and strided as q; g and beta alike)
 
 
 def _kdot(a, a_t, a_m, b, b_t, b_m, ra, rb, DK: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
@@ -336,7 +328,7 @@ def _gdn_tree_mats_kernel(
     # q_i.k_j over ancestors and the node itself (c <= b). Also the commit scratch's k and c rows.
     # Blocks above the diagonal are never written nor read. The key products run in chunks of DC
     # channels (_kdot): whole [SB, BK] tiles held in registers spilled 0.9-1.3 KB a thread.
-    # PROLOGUE: the layer's prologue first (as _gdn_prologue_kernel, from the projection): this
+    # PROLOGUE: the layer's prologue first (_prologue_store, from the projection): this
     # block's q, k, v, g, beta, written for the second pass (and by block 0 the root's) and read
     # back for the products, the gates of every node, and the earlier blocks' keys made again from
     # the conv inside their products (_kdot_conv: another program's stores are not visible here).
@@ -755,14 +747,14 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 
 
 if triton is not None:
-    # device functions: of the prologue kernel (_qkv_rows), of both prologues (the rest)
+    # device functions: of _prologue_store (_qkv_rows), of it and the one-tile kernel's prologue (the rest)
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)
     _conv_rows, _qkv_finish = triton.jit(_conv_rows), triton.jit(_qkv_finish)
     _root_row, _root_step = triton.jit(_root_row), triton.jit(_root_step)  # of the one-tile kernel, of the solve
     _root_terms = triton.jit(_root_terms)  # of the one-tile kernel
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kdot, _kdot_conv = triton.jit(_kdot), triton.jit(_kdot_conv)  # of the first pass by blocks
-    _prologue_store = triton.jit(_prologue_store)  # of both first passes
+    _prologue_store = triton.jit(_prologue_store)  # of the prologue kernel and both first passes
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
     _kernel(_gdn_tree_mats_head_kernel, interpret=False)
