@@ -4,6 +4,8 @@ interpreter is switched on by tests/conftest.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -317,7 +319,7 @@ def test_blocked_prologue_kernel_matches_torch_prologue(cfg):
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(8)
-    sizes = (2, 3, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65)
+    sizes = (2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65)
     for i, T in enumerate(sizes):
         shape = ("random", "chain", "star")[i % 3]
         mask, x, s = _random_tree_step(model, layer, T, g_, shape)
@@ -377,12 +379,17 @@ def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prol
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4)).tolist()
     calls, real = [], gdn_tree._launch_blocked
     monkeypatch.setattr(gdn_tree, "_launch_blocked", lambda *a: calls.append((a[0].shape[0], a[-1] is not None)) or real(*a))  # a spy
-    toks = {}
-    for on in (True, False):
-        opts = FAST.replace(tree_prologue=prologue, blocked_prologue=where) if on else FAST.replace(tree_kernel="off")
-        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
-        toks[on] = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
-    assert toks[True] == toks[False] and calls and set(calls) == {(41, prologue > 0 and where == "inside")}
+    dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST.replace(tree_prologue=prologue, blocked_prologue=where))
+    got = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
+    assert got == _torch_path_tokens(tuple(prompt), 40) and calls and set(calls) == {(41, prologue > 0 and where == "inside")}
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_path_tokens(prompt: tuple, budget: int) -> list:
+    """Greedy ddtree tokens of the random hybrid pair (seed 3) on the torch path (no tree kernel):
+    the reference every blocked-kernel decoding test compares with, made once per worker."""
+    dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST.replace(tree_kernel="off"))
+    return dec.generate(list(prompt), "ddtree", budget=budget, max_new_tokens=12).token_ids
 
 
 @pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40), (7, 128)])
