@@ -142,9 +142,9 @@ def tree_case(model, layer, tc: dict, T: int):
 
 def blocked_prologue_path(layer, x, step, S0, mask, scratch, prec, fused: bool = False, block: int | None = None):
     """The engine's path past one tile, from the projection (gdn_tree.gdn_tree_blocked_prologue;
-    fold_root's rule): fused, the prologue inside the first pass (16-node blocks); else the
-    prologue kernel, then the blocks; block: block_nodes' rule (None) or this many nodes. -> a
-    function of no arguments running it."""
+    fold_root's rule): fused, the prologue inside the first pass; else the prologue kernel, then
+    the blocks; block: block_nodes' rule (None) or this many nodes. -> a function of no
+    arguments running it."""
     def run():
         pj, ex = layer.project(x)
         return gdn_tree.gdn_tree_blocked_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, block=block,

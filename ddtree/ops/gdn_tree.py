@@ -560,10 +560,10 @@ def _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, precision, ti
     chunk = MATS_CHUNK if chunk is None else chunk
     solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
-        # the prologue's arguments (unused without it)
-        extra = (v, strides[4], strides[5], *pro[:9]) if pro is not None else (S0, 0, 0, S0, S0, S0, S0, S0, S0, 0, 0, 0)
-        consts |= dict(PROLOGUE=pro is not None, DV=dv, BV=_tile(dv), **(
-            dict(REP=pro[9], KD=pro[10], W=pro[11]) if pro is not None else dict(REP=1, KD=0, W=1)))
+        consts |= dict(PROLOGUE=pro is not None, DV=dv, BV=_tile(dv))
+        pro = pro or _no_prologue(S0)
+        extra = (v, strides[4], strides[5], *pro[:9])
+        consts |= dict(REP=pro[9], KD=pro[10], W=pro[11])
         if T > root and block >= HEAD_BLOCK:  # (T == root: the root alone, nothing to solve)
             _kernel(_gdn_tree_mats_head_kernel, interpret=not S0.is_cuda)[(H,)](
                 *mat_args, *extra, BN=max(HEAD_BLOCK, _tile(T - root)), **consts)
@@ -673,6 +673,12 @@ def _prologue_outputs(T: int, layer, dev) -> tuple:
     return q, k, v, g, beta
 
 
+def _no_prologue(S0) -> tuple:
+    """_prologue_args' places filled for a launch without the prologue: its pointer and int
+    arguments go unused (any tensor, zeros; one value head per key head, a one-tap window)."""
+    return (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
+
+
 def _prologue_args(layer, proj, ext, window) -> tuple:
     """The prologue's kernel arguments for GDN layer `layer`: (ext, window, conv weight, proj,
     -exp(A_log), dt_bias, proj's row stride, C, hv, value heads per key head, q's channels, width)."""
@@ -729,8 +735,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     BT = _tile(n)
     prologue = pro is not None
     BV, warps = tiles or launch_tiles(n, dv, prologue)
-    if not prologue:  # the prologue's pointer / int arguments go unused
-        pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
+    pro = pro or _no_prologue(S0)
     kern = _kernel(_gdn_tree_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
