@@ -140,23 +140,18 @@ def tree_case(model, layer, tc: dict, T: int):
     return mask, step, x, (q, k, v, g, beta), (kb[:, :T], ub[:, :T], cb[:, :T]), layer.rec_state, ref
 
 
-def blocked_prologue_path(layer, x, step, S0, mask, scratch, prec, fused: bool = False, block: int | None = None):
-    """The engine's path past one tile, from the projection (gdn_tree.gdn_tree_blocked_prologue;
-    fold_root's rule): fused, the prologue inside the first pass; else the prologue kernel, then
-    the blocks; block: block_nodes' rule (None) or this many nodes. -> a function of no
-    arguments running it."""
+def blocked_prologue_path(layer, x, step, S0, mask, scratch, prec):
+    """The engine's path past one tile, from the projection: the prologue kernel, then the blocks
+    (fold_root's rule). -> a function of no arguments running it."""
     def run():
         pj, ex = layer.project(x)
-        return gdn_tree.gdn_tree_blocked_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, block=block,
-                                                  fused=fused)
+        return gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, pj, ex, step.window), S0, mask, scratch, prec)
     return run
 
 
 def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save) -> None:
     """The engine's GDN paths of a verify from the layer's projection, less the projection's time:
-    `blocked prologue` (gdn_prologue, then gdn_tree_blocked: three launches), `blocked fused` (the
-    prologue inside the first pass: two launches; past 33 nodes also in 16-node blocks,
-    `blocked16 fused`, where Hopper's rule takes one 64-node block) against the one-tile
+    `blocked prologue` (gdn_prologue, then gdn_tree_blocked: three launches) against the one-tile
     kernel with the prologue inside (gdn_tree_prologue: one launch), at its default tiles and at
     each (BV, warps) of `tiles`. A row per size."""
     model = gdn_layer(tc)
@@ -172,9 +167,7 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
             return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
         row = dict(T=T, default_tiles=gdn_tree.launch_tiles(gdn_tree.tile_nodes(T), layer.dv, prologue=True), paths={})
-        fused = [(f"blocked{b or ''} fused", blocked_prologue_path(layer, x, step, S0, mask, scratch, prec, True, b))
-                 for b in ((None, 16) if T > 33 else (None,))]
-        for name, fn in [("blocked prologue", blocked)] + fused + [("one", one)] + [
+        for name, fn in [("blocked prologue", blocked), ("one", one)] + [
                 (f"one BV{t[0]} w{t[1]}", lambda t=t: one(t)) for t in tiles]:
             try:
                 o = fn()

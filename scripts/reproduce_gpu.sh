@@ -12,12 +12,12 @@
 #   bash scripts/reproduce_gpu.sh serve             # codepair: a one-off generate --server; 27B shapes: decode through the server
 #   bash scripts/reproduce_gpu.sh split             # 27B shapes: the layer split with both stages on one GPU
 #   bash scripts/reproduce_gpu.sh profile verify    # where a round's time goes; the verify's GEMMs and GDN recurrence
-#                                                   # (and the blocked verify's prologue: its own kernel or inside)
 #   bash scripts/reproduce_gpu.sh suite             # the GPU tests
+#   bash scripts/reproduce_gpu.sh blas              # 27B shapes: the engine at 1K / 32K and the layer split, cuBLAS against cuBLASLt
 #   bash scripts/reproduce_gpu.sh twogpu            # two GPUs: layer split and TP=2 against one GPU, one TP rank
 #   bash scripts/reproduce_gpu.sh all               # every group but twogpu
 set -u -o pipefail
-GROUPS_KNOWN="engine codepair chat memory startup serve split profile verify suite twogpu"
+GROUPS_KNOWN="engine codepair chat memory startup serve split profile verify suite blas twogpu"
 FIXTURE=${FIXTURE:-../shared/fixtures/codepair}
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
     --fixture) FIXTURE=$2; shift 2 ;;
     --fixture=*) FIXTURE=${1#--fixture=}; shift ;;
     --out) OUT=$2; shift 2 ;;
-    all) args+=(engine codepair chat memory startup serve split profile verify suite); shift ;;
+    all) args+=(engine codepair chat memory startup serve split profile verify suite blas); shift ;;
     *) args+=("$1"); shift ;;
     esac
 done
@@ -95,18 +95,18 @@ verify)  # "What misses its target, and why": the verify's weight GEMMs and its 
         --out "$OUT/verify-core-2pass-$GPU.json"
     step verify.log "$PY" scripts/bench_verify.py --parts core --nodes 17,33,65 --blocks --tiles \
         --out "$OUT/verify-fused-$GPU.json"
-    # the blocked verify's prologue in its own kernel against inside the first pass (DDTREE_BLOCKED_PROLOGUE):
-    # the layer from its projection, then whole verifies and rounds at 1K under each setting
-    step verify.log "$PY" scripts/bench_verify.py --parts tile --nodes 17,32,33,64,65 --tile-sweep \
-        --out "$OUT/verify-blocked-prologue-$GPU.json"
-    for where in kernel inside; do
-        step verify.log env DDTREE_BLOCKED_PROLOGUE=$where "$PY" scripts/bench_engine.py --contexts 1024 \
-            --sizes 1,16,17,32,33,64,65 --budgets 15,16,31,32,64 --profile --out "$OUT/engine-1k-prologue-$where-$GPU.json"
-    done
     ;;
 suite)  # the GPU-suite row of "Targets"
     step suite.log env DDTREE_FIXTURE="$FIXTURE" "$PY" -m pytest -q -m gpu -n 6 -p no:cacheprovider --durations=20 tests
     step suite.log "$PY" scripts/check_logits_error.py --out "$OUT/logits-error-$GPU.json"  # the logits test's inputs and others
+    ;;
+blas)  # the weight GEMMs' library (DDTREE_BLAS): torch's choice against cuBLASLt, back to back
+    for b in auto cublaslt; do
+        step blas.log env DDTREE_BLAS=$b "$PY" scripts/bench_engine.py --contexts 1024,32768 --sizes 1,16,17,32,33,64,65 \
+            --budgets 15,31,32,64 --out "$OUT/blas-$b-$GPU.json"
+        step blas.log env DDTREE_BLAS=$b "$PY" scripts/bench_multigpu.py --split-devices cuda:0,cuda:0 --no-eager \
+            --out "$OUT/split-blas-$b-$GPU.json"
+    done
     ;;
 twogpu)  # "Two GPUs" (two GPUs), and one TP rank on the first
     step twogpu.log "$PY" scripts/bench_multigpu.py --tokens 32 --out "$OUT/multigpu-${GPU}x2.json"

@@ -356,8 +356,7 @@ def tree_mixer(layer: GatedDeltaNet, proj: torch.Tensor, ext: torch.Tensor, wind
                path_mask: torch.Tensor, scratch: tuple, kn: Kernels) -> torch.Tensor:
     """GDN layer `layer`'s mixer for a tree verify from its projection, in Triton kernels: the
     one-tile tree kernel with the prologue inside (gdn_tree.gdn_tree_prologue), or for larger
-    trees the blocked recurrence with the prologue inside its first pass or in a kernel ahead of
-    it (gdn_tree.gdn_tree_blocked_prologue, Kernels.blocked_prologue_inside), then the gated norm
+    trees the prologue kernel ahead of the blocked recurrence, then the gated norm
     (ddtree.ops.gated_norm). One eager call between the compiled projections: the tree's sizes
     are host ints here, and nothing between the kernels is left to a resume frame's compile.
     -> [T, hv * dv] in the model dtype."""
@@ -365,8 +364,8 @@ def tree_mixer(layer: GatedDeltaNet, proj: torch.Tensor, ext: torch.Tensor, wind
     if kn.tree(T, layer.dk):
         o = gdn_tree.gdn_tree_prologue(layer, proj, ext, window, layer.rec_state, path_mask, scratch, kn.tree_precision)
     else:
-        o = gdn_tree.gdn_tree_blocked_prologue(layer, proj, ext, window, layer.rec_state, path_mask, scratch,
-                                               kn.tree_precision, fused=kn.blocked_prologue_inside)
+        o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, window), layer.rec_state, path_mask,
+                                      scratch, kn.tree_precision)
     z = proj[:, layer.conv_dim : layer.conv_dim + layer.hv * layer.dv]
     return gated_norm.gated_norm(o, z, layer.norm.weight, layer.norm.eps, proj.dtype)
 

@@ -56,8 +56,7 @@ class Kernels:
     tree_max_nodes: int = 0  # tree-verify GDN kernel for tiles of 2..this nodes (after a folded root)
     tree_tile: int = TREE_TILE  # ... and padded nodes x key width at most this
     tree_precision: str = "ieee"
-    tree_prologue: int = 0  # the GDN prologue in Triton for T <= this: inside the one-tile kernel, or for the blocks as below
-    blocked_prologue_inside: bool = False  # the blocks' prologue inside their first pass (else gdn_prologue's kernel ahead)
+    tree_prologue: int = 0  # the GDN prologue in Triton for T <= this: inside the one-tile kernel, or one kernel ahead of the blocks
     tree_blocked: int = 0  # trees past that kernel's sizes, up to this many nodes: gdn_tree_blocked
     attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
@@ -73,8 +72,7 @@ class Kernels:
         return n <= self.tree_max_nodes and tile(n) * tile(dk) <= self.tree_tile
 
     def prologue(self, T: int, dk: int) -> bool:
-        """The GDN prologue in Triton for this tree (inside the one-tile kernel, or for the blocked
-        one gdn_tree.gdn_tree_blocked_prologue's: inside its first pass or a kernel ahead of it)?"""
+        """The GDN prologue in Triton for this tree (inside the one-tile kernel, or gdn_tree.gdn_prologue ahead of the blocked one)?"""
         if T > self.tree_prologue:
             return False
         return self.blocked(T, dk) or (self.tree(T, dk) and gdn_tree.tile_nodes(T) <= TREE_PROLOGUE_ONE_TILE_MAX_NODES)
@@ -103,7 +101,6 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
         tree_tile=TREE_TILE if options.tree_kernel == "auto" else 1 << 30,
         tree_precision=triton_util.dot_precision(options.tree_precision, a),
         tree_prologue=options.tree_prologue if tri else 0,
-        blocked_prologue_inside=options.blocked_prologue == "inside",
         tree_blocked=TREE_BLOCKED_MAX_NODES if tri and options.tree_kernel != "off" else 0,
         attention=attention,
         fla=options.fla and dev.type == "cuda",

@@ -138,28 +138,6 @@ def _root_terms(K, Q, k0, bb, c, c0):
     return bb * er * tl.sum(K * k0[None, :], 1), er * tl.sum(Q * k0[None, :], 1)
 
 
-def _prologue_store(ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV, q, k, v, g, beta,
-                    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, h, rows, mrow,
-                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REP: tl.constexpr,
-                    KD: tl.constexpr, W: tl.constexpr):
-    """The prologue of value head h for nodes `rows` (mrow: valid), as GatedDeltaNet.qkvgb
-    computes it, stored to the fp32 q, k, v, g, beta (of the prologue kernel and of both first
-    passes with PROLOGUE). -> its beta [R] (0 on invalid rows)."""
-    ok = tl.arange(0, BK)
-    ov = tl.arange(0, BV)
-    mk, mv = ok < DK, ov < DV
-    cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
-    Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, rows, mrow, mk, mv, DK, W)
-    gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, rows, mrow)  # b, a after qkv and z
-    mrk = mrow[:, None] & mk[None, :]
-    tl.store(q + rows[:, None] * s_qt + h * s_qh + ok[None, :], Q, mask=mrk)
-    tl.store(k + rows[:, None] * s_kt + h * s_kh + ok[None, :], K, mask=mrk)
-    tl.store(v + rows[:, None] * s_vt + h * s_vh + ov[None, :], V, mask=mrow[:, None] & mv[None, :])
-    tl.store(g + rows * s_gt + h * s_gh, gg, mask=mrow)
-    tl.store(beta + rows * s_bt + h * s_bh, bb, mask=mrow)
-    return bb
-
-
 def _gdn_tree_kernel(
     q, k, v, g, beta, S0, mask, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
@@ -257,9 +235,18 @@ def _gdn_prologue_kernel(
     # times, cheaper than a second launch). q, k [T, HV, DK], v [T, HV, DV], g, beta [T, HV] fp32.
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     h = tl.program_id(1)
-    _prologue_store(ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV, q, k, v, g, beta,
-                    s_qt, s_qh, s_qt, s_qh, s_vt, s_vh, s_gt, 1, s_gt, 1, h, r, r < T,
-                    DK, DV, BK, BV, REP, KD, W)  # (k is shaped and strided as q; g and beta alike)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    mr, mk, mv = r < T, ok < DK, ov < DV
+    cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
+    Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, 2 * KD + h * DV + ov, r, mr, mk, mv, DK, W)
+    gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, r, mr)  # b, a after qkv and z
+    mrk = mr[:, None] & mk[None, :]
+    tl.store(q + r[:, None] * s_qt + h * s_qh + ok[None, :], Q, mask=mrk)
+    tl.store(k + r[:, None] * s_qt + h * s_qh + ok[None, :], K, mask=mrk)  # (k is shaped and strided as q)
+    tl.store(v + r[:, None] * s_vt + h * s_vh + ov[None, :], V, mask=mr[:, None] & mv[None, :])
+    tl.store(g + r * s_gt + h, gg, mask=mr)
+    tl.store(beta + r * s_gt + h, bb, mask=mr)
 
 
 def _kdot(a, a_t, a_m, b, b_t, b_m, ra, rb, DK: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
@@ -278,47 +265,11 @@ def _kdot(a, a_t, a_m, b, b_t, b_m, ra, rb, DK: tl.constexpr, BK: tl.constexpr, 
     return acc
 
 
-def _kdot_conv(qh, s_qt, kh, s_kt, rb, mb, ext, window, conv_w, C, ck, rc, DK: tl.constexpr, BK: tl.constexpr,
-               DC: tl.constexpr, PREC: tl.constexpr, W: tl.constexpr):
-    """_kdot's products of rows `rb` (mb: valid) of q and k (fp32 in memory, as _kdot reads them)
-    with the keys of nodes `rc` taken from the tree convolution instead (conv channels ck + d of
-    key channel d, as _conv_rows and _qkv_finish compute them): each DC-channel chunk of k's
-    pre-norm values (conv, SiLU, rounded to the model dtype) joins the products as it is made, and
-    the l2 norm scales the columns at the end (k / |k| summed after the product, not before).
-    -> kk = K[rb] K[rc]^T, qk = Q[rb] K[rc]^T [R, R]."""
-    f32 = tl.float32
-    od = tl.arange(0, DC)
-    kk = tl.zeros([rb.shape[0], rc.shape[0]], dtype=f32)
-    qk = tl.zeros([rb.shape[0], rc.shape[0]], dtype=f32)
-    ss = tl.zeros([rc.shape[0]], dtype=f32)
-    for d in range(0, BK, DC):
-        md = (d + od) < DK
-        cc = ck + d + od
-        row = tl.load(window + rc * W)
-        a = tl.load(conv_w + cc, mask=md, other=0.0)[None, :] * \
-            tl.load(ext + row[:, None] * C + cc[None, :], mask=md[None, :], other=0.0).to(f32)
-        for j in tl.static_range(1, W):
-            row = tl.load(window + rc * W + j)
-            a += tl.load(conv_w + j * C + cc, mask=md, other=0.0)[None, :] * \
-                tl.load(ext + row[:, None] * C + cc[None, :], mask=md[None, :], other=0.0).to(f32)
-        kc = (a / (1.0 + tl.exp(-a))).to(ext.dtype.element_ty, fp_downcast_rounding="rtne").to(f32)  # [R, DC]
-        ss += tl.sum(kc * kc, 1)
-        mbd = mb[:, None] & md[None, :]
-        xk = tl.load(kh + rb[:, None] * s_kt + d + od[None, :], mask=mbd, other=0.0)
-        xq = tl.load(qh + rb[:, None] * s_qt + d + od[None, :], mask=mbd, other=0.0)
-        kk += tl.dot(xk, tl.trans(kc), input_precision=PREC)
-        qk += tl.dot(xq, tl.trans(kc), input_precision=PREC)
-    inv = 1.0 / tl.sqrt(ss + 1e-6)
-    return kk * inv[None, :], qk * inv[None, :]
-
-
 def _gdn_tree_mats_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
-    v, s_vt, s_vh, ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
     T: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr, LD: tl.constexpr,
-    PROLOGUE: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
 ):
     # The blocked recurrence's first pass: everything that does not depend on the values, one
     # program per (block b of SB nodes, value head). Row block b of the per-head matrices over the
@@ -328,38 +279,24 @@ def _gdn_tree_mats_kernel(
     # q_i.k_j over ancestors and the node itself (c <= b). Also the commit scratch's k and c rows.
     # Blocks above the diagonal are never written nor read. The key products run in chunks of DC
     # channels (_kdot): whole [SB, BK] tiles held in registers spilled 0.9-1.3 KB a thread.
-    # PROLOGUE: the layer's prologue first (_prologue_store, from the projection): this
-    # block's q, k, v, g, beta, written for the second pass (and by block 0 the root's) and read
-    # back for the products, the gates of every node, and the earlier blocks' keys made again from
-    # the conv inside their products (_kdot_conv: another program's stores are not visible here).
     b = tl.program_id(0)
     h = tl.program_id(1)
     f32 = tl.float32
     oa = tl.arange(0, BT)  # every node: the path mask's columns
     ma = oa < T
+    g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
     os_ = tl.arange(0, SB)
     ok = tl.arange(0, BK)
     mk = ok < DK
     rb = ROOT + b * SB + os_
     mb = rb < T
-    mbk = mb[:, None] & mk[None, :]
-    if PROLOGUE:
-        g_all, beta_all = _gate_rows(proj, neg_a, dt_bias, s_pt, C + HV * DV, HV, h, oa, ma)  # [BT] (beta_all unused)
-        pro = (ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV, q, k, v, g, beta,
-               s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, h)
-        bb = _prologue_store(*pro, rb, mb, DK, DV, BK, BV, REP, KD, W)
-        if ROOT:  # the root's row, by block 0 (a 2-row tile, the other row masked)
-            r0 = tl.arange(0, 2)
-            _prologue_store(*pro, r0, (r0 < 1) & (b == 0), DK, DV, BK, BV, REP, KD, W)
-        tl.debug_barrier()  # this block's q and k are read back below, by every thread
-    else:
-        g_all = tl.load(g + oa * s_gt + h * s_gh, mask=ma, other=0.0).to(f32)  # [BT]
-        bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
-    Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
     on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
     c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # [SB]: summed log-decay along each path
     tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb)
+    mbk = mb[:, None] & mk[None, :]
+    Kb = tl.load(k + rb[:, None] * s_kt + h * s_kh + ok[None, :], mask=mbk, other=0.0).to(f32)  # [SB, BK]
     tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], Kb, mask=mbk)
+    bb = tl.load(beta + rb * s_bt + h * s_bh, mask=mb, other=0.0).to(f32)
     base = h * LD * LD  # wm, pm [H, LD, LD]: the nodes after the root, rows of 16-aligned LD
     kh, qh = k + h * s_kh, q + h * s_qh
     for c in range(b):  # the earlier blocks: through the ancestor mask
@@ -369,12 +306,8 @@ def _gdn_tree_mats_kernel(
         on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
         dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
         at = base + (rb - ROOT)[:, None] * LD + (rc - ROOT)[None, :]
-        if PROLOGUE:  # block c's keys from the conv (its program's stores are not visible here)
-            kk, qk = _kdot_conv(qh, s_qt, kh, s_kt, rb, mb, ext, window, conv_w, C, KD + h // REP * DK, rc,
-                                DK, BK, DC, PREC, W)
-        else:
-            kk = _kdot(kh, s_kt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
-            qk = _kdot(qh, s_qt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
+        kk = _kdot(kh, s_kt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
+        qk = _kdot(qh, s_qt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
         tl.store(wm + at, bb[:, None] * dec * kk, mask=mb[:, None])
         tl.store(pm + at, dec * qk, mask=mb[:, None])
     on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
@@ -392,10 +325,8 @@ def _gdn_tree_mats_kernel(
 def _gdn_tree_mats_head_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
-    v, s_vt, s_vh, ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
     T: tl.constexpr, DK: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr,
-    PROLOGUE: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
 ):
     # _gdn_tree_mats_kernel's matrices for a whole head in one program: [BN, BN] tiles over the
     # nodes after the root (BN >= 64: the tile products are warp-group MMAs on Hopper, and no
@@ -403,17 +334,8 @@ def _gdn_tree_mats_head_kernel(
     # block-diagonal part.
     # The tile holds every node after the root (BN >= T - ROOT), so each path sums over the tile's
     # [BN, BN] mask, plus the root's log-decay (an ancestor of every node).
-    # PROLOGUE: the layer's prologue first, every node's, in 16-row slices (_prologue_store), read
-    # back below.
     h = tl.program_id(0)
     f32 = tl.float32
-    if PROLOGUE:
-        pro = (ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV, q, k, v, g, beta,
-               s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, h)
-        for r0 in tl.static_range(0, ROOT + BN, 16):
-            rs = r0 + tl.arange(0, 16)
-            _prologue_store(*pro, rs, rs < T, DK, DV, BK, BV, REP, KD, W)
-        tl.debug_barrier()  # read back below, by every thread
     on = tl.arange(0, BN)
     r = ROOT + on
     mr = r < T
@@ -517,34 +439,9 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     every node (true of every verify tree; not checked), folded into the state first; None:
     where that saves a block (fold_root); chunk: the first pass's key products in chunks of this
     many channels (None: MATS_CHUNK)."""
-    strides = _input_strides(q, k, v, g, beta)
-    return _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, precision, tiles, block, root, chunk, None)
-
-
-@eager
-def gdn_tree_blocked_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask,
-                              out, precision: str = "ieee", tiles=None, block: int | None = None,
-                              root: bool | None = None, fused: bool = True):
-    """The tree verify of GDN layer `layer` by blocks from its projection (inputs as
-    gdn_tree_prologue's; block, root, tiles as gdn_tree_blocked's): the prologue inside the first
-    pass (its kernels' PROLOGUE: one launch fewer); fused False: gdn_prologue's kernel ahead of
-    gdn_tree_blocked instead (its twin in the sweeps). -> o [T, hv, dv] fp32, `out` written as gdn_tree writes it.
-    Twin: qkvgb + tree_wy (tests/ops/test_gdn_kernels.py)."""
-    T = proj.shape[0]
-    if not fused or T < 2:
-        return gdn_tree_blocked(*gdn_prologue(layer, proj, ext, window), S0, path_mask, out, precision, tiles,
-                                block, root)
-    pro = _prologue_args(layer, proj, ext, window)
-    q, k, v, g, beta = _prologue_outputs(T, layer, proj.device)
-    return _launch_blocked(q, k, v, g, beta, _input_strides(q, k, v, g, beta), S0, path_mask, out, precision, tiles,
-                           block, root, None, pro)
-
-
-def _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, precision, tiles, block, root, chunk, pro=None):
-    """gdn_tree_blocked's two launches; pro (_prologue_args): the first pass (16-node blocks)
-    computes q, k, v, g, beta into those buffers first."""
     T, H, dk = q.shape
     dv = v.shape[-1]
+    strides = _input_strides(q, k, v, g, beta)
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
     a = triton_util.arch(S0.device)
@@ -560,16 +457,12 @@ def _launch_blocked(q, k, v, g, beta, strides, S0, path_mask, out, precision, ti
     chunk = MATS_CHUNK if chunk is None else chunk
     solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
-        consts |= dict(PROLOGUE=pro is not None, DV=dv, BV=_tile(dv))
-        pro = pro or _no_prologue(S0)
-        extra = (v, strides[4], strides[5], *pro[:9])
-        consts |= dict(REP=pro[9], KD=pro[10], W=pro[11])
         if T > root and block >= HEAD_BLOCK:  # (T == root: the root alone, nothing to solve)
             _kernel(_gdn_tree_mats_head_kernel, interpret=not S0.is_cuda)[(H,)](
-                *mat_args, *extra, BN=max(HEAD_BLOCK, _tile(T - root)), **consts)
+                *mat_args, BN=max(HEAD_BLOCK, _tile(T - root)), **consts)
         elif T > root:
             _kernel(_gdn_tree_mats_kernel, interpret=not S0.is_cuda)[(triton.cdiv(T - root, block), H)](
-                *mat_args, *extra, BT=_tile(T), DC=min(chunk, _tile(dk)), **consts)  # (BT: the path mask's columns)
+                *mat_args, BT=_tile(T), DC=min(chunk, _tile(dk)), **consts)  # (BT: the path mask's columns)
         solve[(H, triton.cdiv(dv, BV))](
             q, k, v, g, beta, S0, wm, pm, o, kb, ub, cb,
             *strides, o.stride(0), o.stride(1),
@@ -587,7 +480,9 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
     v [T, hv, dv], g, beta [T, hv], all fp32. Twin: qkvgb (tests/ops/test_gdn_kernels.py)."""
     T, dev = proj.shape[0], proj.device
     ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
-    q, k, v, g, beta = _prologue_outputs(T, layer, dev)
+    q, k = (torch.empty(T, hv, layer.dk, dtype=torch.float32, device=dev) for _ in range(2))
+    v = torch.empty(T, hv, layer.dv, dtype=torch.float32, device=dev)
+    g, beta = (torch.empty(T, hv, dtype=torch.float32, device=dev) for _ in range(2))
     kern = _kernel(_gdn_prologue_kernel, interpret=not proj.is_cuda)
     with _on_device_of(proj):
         kern[(triton.cdiv(T, 16), hv)](
@@ -664,21 +559,6 @@ def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torc
                         layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles, root)
 
 
-def _prologue_outputs(T: int, layer, dev) -> tuple:
-    """The prologue's fp32 outputs q, k [T, hv, dk] (alike: the kernels stride k as q), v [T, hv,
-    dv], g, beta [T, hv] (alike)."""
-    q, k = (torch.empty(T, layer.hv, layer.dk, dtype=torch.float32, device=dev) for _ in range(2))
-    v = torch.empty(T, layer.hv, layer.dv, dtype=torch.float32, device=dev)
-    g, beta = (torch.empty(T, layer.hv, dtype=torch.float32, device=dev) for _ in range(2))
-    return q, k, v, g, beta
-
-
-def _no_prologue(S0) -> tuple:
-    """_prologue_args' places filled for a launch without the prologue: its pointer and int
-    arguments go unused (any tensor, zeros; one value head per key head, a one-tap window)."""
-    return (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
-
-
 def _prologue_args(layer, proj, ext, window) -> tuple:
     """The prologue's kernel arguments for GDN layer `layer`: (ext, window, conv weight, proj,
     -exp(A_log), dt_bias, proj's row stride, C, hv, value heads per key head, q's channels, width)."""
@@ -735,7 +615,8 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     BT = _tile(n)
     prologue = pro is not None
     BV, warps = tiles or launch_tiles(n, dv, prologue)
-    pro = pro or _no_prologue(S0)
+    if not prologue:  # the prologue's pointer / int arguments go unused
+        pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
     kern = _kernel(_gdn_tree_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
@@ -752,14 +633,13 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
 
 
 if triton is not None:
-    # device functions: of _prologue_store (_qkv_rows), of it and the one-tile kernel's prologue (the rest)
+    # device functions: of the prologue kernel (_qkv_rows), of both prologues (the rest)
     _qkv_rows, _gate_rows = triton.jit(_qkv_rows), triton.jit(_gate_rows)
     _conv_rows, _qkv_finish = triton.jit(_conv_rows), triton.jit(_qkv_finish)
     _root_row, _root_step = triton.jit(_root_row), triton.jit(_root_step)  # of the one-tile kernel, of the solve
     _root_terms = triton.jit(_root_terms)  # of the one-tile kernel
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
-    _kdot, _kdot_conv = triton.jit(_kdot), triton.jit(_kdot_conv)  # of the first pass by blocks
-    _prologue_store = triton.jit(_prologue_store)  # of the prologue kernel and both first passes
+    _kdot = triton.jit(_kdot)  # of the first pass by blocks
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
     _kernel(_gdn_tree_mats_head_kernel, interpret=False)

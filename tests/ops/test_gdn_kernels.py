@@ -4,8 +4,6 @@ interpreter is switched on by tests/conftest.py)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -309,38 +307,6 @@ def test_prologue_kernel_matches_qkvgb(cfg):
         ERR.note("prologue kernel mixer", assert_rel(layer._tree_fused(x, fused), layer.forward(x, s), 1e-5, f"T={T}"))
 
 
-@pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_blocked_prologue_kernel_matches_torch_prologue(cfg):
-    """The blocked verify from the projection with the prologue inside the first pass
-    (gdn_tree.gdn_tree_blocked_prologue, fused: 16-node blocks, each block's program also making
-    the earlier blocks' keys from the conv; one 64-node block per head) against qkvgb + tree_wy on
-    random trees, chains and stars of 2 to 65 nodes (every size around 16, 32 and 64) and random
-    conv and recurrent states: the fold's rule at every size, the root always and never folded at
-    the block edges, 64-node blocks at 17 to 65 nodes: outputs and commit scratch. (The prologue
-    kernel ahead of the blocks: test_prologue_kernel_matches_qkvgb and the blocked rows of
-    test_tree_kernel_matches_tree_wy.)"""
-    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
-    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
-    g_ = torch.Generator().manual_seed(8)
-    sizes = (2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65)
-    for i, T in enumerate(sizes):
-        shape = ("random", "chain", "star")[i % 3]
-        mask, x, s = _random_tree_step(model, layer, T, g_, shape)
-        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
-        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
-        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
-        proj = layer.in_proj(x)
-        cases = [(16, None)] + [(16, r) for r in (True, False) if T in (2, 16, 17, 33)] + [(64, None)] * (T in (17, 33, 64, 65))
-        for block, root in cases:
-            got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
-            o = gdn_tree.gdn_tree_blocked_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, got,
-                                                   block=block, root=root, fused=True)
-            what = f"T={T} {shape} block={block} root={root}"
-            ERR.note("blocked prologue", assert_rel(o, o_ref, 1e-5, what))
-            for a, b in zip(got, scratch):
-                ERR.note("blocked prologue scratch", assert_rel(a, b, 1e-5, what))
-
-
 @pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
 def test_decoding_through_the_prologue_kernel_equals_torch_path(monkeypatch, method, budget):
     """Whole decoders with every tree verify's GDN layer in the prologue kernel (tree_prologue up
@@ -372,27 +338,23 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method,
     assert toks[True] == toks[False] and calls
 
 
-@pytest.mark.parametrize("prologue,where", [(65, "inside"), (65, "kernel"), (0, "kernel")],
-                         ids=["prologue-inside", "prologue-kernel", "torch-prologue"])
-def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prologue, where):
+@pytest.mark.parametrize("prologue", [65, 0], ids=["prologue-kernel", "torch-prologue"])
+def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prologue):
     """A 41-node tree (budget 40: past auto's one-tile sizes at this model's dk 8) verified by the
     blocked kernel in every GDN layer (on CPU, and on Hopper, one 64-node block; 16-node blocks
-    elsewhere), with the prologue inside its first pass, in its own kernel ahead of it, or after
-    the torch prologue: greedy tokens equal the torch path's, and the kernels were used as said."""
+    elsewhere), after the prologue kernel or the torch prologue: greedy tokens equal the torch
+    path's, and the kernels were used."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4)).tolist()
-    calls, real = [], gdn_tree._launch_blocked
-    monkeypatch.setattr(gdn_tree, "_launch_blocked", lambda *a: calls.append((a[0].shape[0], a[-1] is not None)) or real(*a))  # a spy
-    dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST.replace(tree_prologue=prologue, blocked_prologue=where))
-    got = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
-    assert got == _torch_path_tokens(tuple(prompt), 40) and calls and set(calls) == {(41, prologue > 0 and where == "inside")}
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_path_tokens(prompt: tuple, budget: int) -> list:
-    """Greedy ddtree tokens of the random hybrid pair (seed 3) on the torch path (no tree kernel):
-    the reference every blocked-kernel decoding test compares with, made once per worker."""
-    dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST.replace(tree_kernel="off"))
-    return dec.generate(list(prompt), "ddtree", budget=budget, max_new_tokens=12).token_ids
+    calls, pro, real, real_pro = [], [], gdn_tree.gdn_tree_blocked, gdn_tree.gdn_prologue
+    monkeypatch.setattr(gdn_tree, "gdn_tree_blocked", lambda *a: calls.append(a[0].shape[0]) or real(*a))  # spies
+    monkeypatch.setattr(gdn_tree, "gdn_prologue", lambda *a: pro.append(a[1].shape[0]) or real_pro(*a))
+    toks = {}
+    for on in (True, False):
+        opts = FAST.replace(tree_prologue=prologue) if on else FAST.replace(tree_kernel="off")
+        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
+        toks[on] = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
+    assert toks[True] == toks[False] and calls and set(calls) == {41}
+    assert set(pro) == ({41} if prologue else set())
 
 
 @pytest.mark.parametrize("P,W", [(1, 128), (16, 128), (16, 1024), (4, 40), (7, 128)])

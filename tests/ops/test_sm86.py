@@ -8,7 +8,7 @@ properties by a stand-in (an A6000's, an H200's). What it would launch there (co
 num_warps, num_stages, the argument types and Triton's own specialisation of the arguments)
 becomes a compile job, so nothing here restates a launcher's tile rules. Trees: every node count
 at both ends of each tile class (tile side, squarings), auto's sizes, 1..128; every switch that
-changes a constexpr (tree_kernel, tree_precision, tree_prologue, blocked_prologue; budgets 4..64 at top-k = budget
+changes a constexpr (tree_kernel, tree_precision, tree_prologue; budgets 4..64 at top-k = budget
 and auto's 32).
 
 How: the jobs go to tests/ops/triton_compile.py in a subprocess without TRITON_INTERPRET (which
@@ -130,9 +130,8 @@ def _gdn_launches(tc: TargetConfig, props, dtype=torch.bfloat16):
         layer = GatedDeltaNet(tc).to(dtype)
     # the group holds the scratch and states the layer's kernels read (every GDN layer on one GPU)
     group = GDNGroup([layer] * tc.layer_types.count("linear_attention"), META, dtype, max(TREES))
-    settings = [Options(tree_kernel=m, tree_precision=p, tree_prologue=n, blocked_prologue=b)
-                for m, p, n, b in itertools.product(("auto", "on"), ("tf32x3", "ieee"), (0, 16, gdn_tree.MAX_NODES),
-                                                    ("kernel", "inside"))]
+    settings = [Options(tree_kernel=m, tree_precision=p, tree_prologue=n)
+                for m, p, n in itertools.product(("auto", "on"), ("tf32x3", "ieee"), (0, 16, gdn_tree.MAX_NODES))]
     for T in TREES:
         x = torch.empty(T, tc.hidden_size, dtype=dtype, device=META)
         z = torch.zeros(T, dtype=torch.long, device=META)
