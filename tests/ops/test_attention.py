@@ -567,9 +567,10 @@ def test_greedy_decoding_through_the_fused_prefix_equals_ar(small_fused_plan, mo
     prompt = torch.randint(0, 97, (600,), generator=torch.Generator().manual_seed(8)).tolist()
     toks = {}
     for name, method, kw in (("ar", "ar", {}), ("dflash", "dflash", {}), ("ddtree", "ddtree", dict(budget=12))):
-        # the GDN tree verify through its torch twin: the interpreted tree kernels have their own
-        # whole-decoder tests (tests/ops/test_gdn_kernels.py), and would double this test's time
-        opts = Options(triton_on_cpu=True, verify_fused="off" if name == "ar" else "on", tree_kernel="off", tree_prologue=0)
+        # the GDN tree verify through its torch twin (tree_kernel off: no tree kernel, no prologue
+        # kernel): the interpreted tree kernels have their own whole-decoder tests
+        # (tests/ops/test_gdn_kernels.py), and would double this test's time
+        opts = Options(triton_on_cpu=True, verify_fused="off" if name == "ar" else "on", tree_kernel="off")
         dec, _ = build_random_pair("hybrid", seed=5, device=DEV, options=opts, max_len=1024)
         toks[name] = dec.generate(prompt, method, max_new_tokens=10, **kw).token_ids
     assert seen, "the fused prefix never ran"
