@@ -100,8 +100,8 @@ suite)  # the GPU-suite row of "Targets"
     step suite.log env DDTREE_FIXTURE="$FIXTURE" "$PY" -m pytest -q -m gpu -n 6 -p no:cacheprovider --durations=20 tests
     step suite.log "$PY" scripts/check_logits_error.py --out "$OUT/logits-error-$GPU.json"  # the logits test's inputs and others
     ;;
-blas)  # the weight GEMMs' library (DDTREE_BLAS): torch's choice against cuBLASLt, back to back
-    for b in auto cublaslt; do
+blas)  # the weight GEMMs' library (DDTREE_BLAS): cuBLAS (torch's own default) against cuBLASLt, back to back
+    for b in cublas cublaslt; do
         step blas.log env DDTREE_BLAS=$b "$PY" scripts/bench_engine.py --contexts 1024,32768 --sizes 1,16,17,32,33,64,65 \
             --budgets 15,31,32,64 --out "$OUT/blas-$b-$GPU.json"
         step blas.log env DDTREE_BLAS=$b "$PY" scripts/bench_multigpu.py --split-devices cuda:0,cuda:0 --no-eager \
