@@ -64,7 +64,7 @@ ENGINE = ROOT / "results" / "engine-long-h200.json"
 DRAFTERS = ("drafter", "drafter-distilled", "drafter-large")
 BLOCK = 16
 
-FIXED_BUDGETS = (8, 16, 32, 64)
+FIXED_BUDGETS = (8, 15, 16, 31, 32, 63, 64)  # bench's 8 / 15 / 31 / 63 and bench_auto.py's 8 / 16 / 32 / 64
 FIXED = ("ar", "dflash") + tuple(f"ddtree-{b}" for b in FIXED_BUDGETS)
 
 
@@ -225,7 +225,7 @@ def bench_costs(doc: dict) -> tuple[Costs, dict[str, float]]:
         tok_s[name] = a["decode_tok_s"]
     verify = {1: runs["ar"][1], 16: runs["dflash"][1]}
     rounds, beyond = {"dflash": runs["dflash"][0]}, {}
-    for b in FIXED_BUDGETS:
+    for b in (b for b in FIXED_BUDGETS if f"ddtree-{b}" in runs):  # the budgets the bench ran
         rd, v = runs[f"ddtree-{b}"]
         verify[b + 1], rounds[f"ddtree-{b}"], beyond[b] = v, rd, rd - v
     return Costs(runs["ar"][0], verify, rounds, beyond), tok_s
@@ -320,12 +320,13 @@ def replay_auto(trace: dict, costs: Costs, n: int, memory: AutoMemory, sync: boo
         r += 1
 
 
-def simulate(traces: list[dict], costs: Costs, n: int | None = None, sync: bool = False) -> dict:
-    """tok/ms per fixed method and auto over a drafter's prompt traces (auto: one shared memory;
-    sync: a CPU's clock, replay_auto)."""
+def simulate(traces: list[dict], costs: Costs, n: int | None = None, sync: bool = False,
+             fixed: tuple[str, ...] = FIXED) -> dict:
+    """tok/ms per fixed method (of `fixed`) and auto over a drafter's prompt traces (auto: one
+    shared memory; sync: a CPU's clock, replay_auto)."""
     out = {}
     sizes = [n or len(tr["acc:chain"]) for tr in traces]
-    for name in FIXED:
+    for name in fixed:
         runs = [replay_fixed(tr, name, costs, m) for tr, m in zip(traces, sizes)]
         out[name] = sum(x for x, _ in runs) / sum(y for _, y in runs)
     memory, tok, ms, arms = AutoMemory(), 0, 0.0, {}
@@ -335,7 +336,7 @@ def simulate(traces: list[dict], costs: Costs, n: int | None = None, sync: bool 
         for k, v in c.items():
             arms[k] = arms.get(k, 0) + v
     out["auto"] = tok / ms
-    best = max(FIXED, key=out.get)
+    best = max(fixed, key=out.get)
     return {"tok_per_ms": out, "best_fixed": best, "auto_vs_best": out["auto"] / out[best],
             "auto_arms": {str(k): v for k, v in sorted(arms.items(), key=lambda kv: (str(kv[0]).isalpha(), str(kv[0]).zfill(3)))}}
 
@@ -462,8 +463,10 @@ def rounds_against_traces(doc: dict, positions: dict[str, dict]) -> dict:
         for p in run["prompts"]:
             pos = positions[p["prompt_id"]]
             for t, size, acc in drafting_rounds(p["rounds"]["tree_size"], p["rounds"]["accepted"], len(pos["acc:chain"])):
-                want = pos["acc:chain" if name == "dflash" else f"acc:a{size}" if name == "ddtree-auto"
-                           else f"acc:t{size}"][t]
+                field = "acc:chain" if name == "dflash" else f"acc:a{size}" if name == "ddtree-auto" else f"acc:t{size}"
+                if field not in pos:  # an arm the traces do not hold (a live run of other auto budgets)
+                    continue
+                want = pos[field][t]
                 n, equal, live, traced = n + 1, equal + (want == acc), live + acc, traced + want
         out[name] = {"rounds": n, "equal": equal, "accepted_live": live / max(n, 1), "accepted_traced": traced / max(n, 1)}
     return out
@@ -473,7 +476,7 @@ def replay_bench(traces: dict, args) -> int:
     """Every bench document in args.bench replayed: the simulation's tok/ms per method against the
     live run's decode tok/s, auto's ratio to the best fixed method in both."""
     rows = []
-    print("drafter  dtype  | simulated: " + "  ".join(FIXED) + "  auto  auto/best | live: auto  auto/best")
+    fixed: tuple[str, ...] = ()
     for path in sorted(args.bench.glob("codepair-*.json")):
         stem = path.stem[len("codepair-"):]
         name, dtype = stem.rsplit("-", 1)
@@ -481,21 +484,24 @@ def replay_bench(traces: dict, args) -> int:
             continue
         doc = json.loads(path.read_text())
         costs, live = bench_costs(doc)
+        if not fixed:  # the methods the bench ran (bench_auto.py: ar, dflash, ddtree 8 / 16 / 32 / 64)
+            fixed = tuple(k for k in FIXED if k in live)
+            print("drafter  dtype  | simulated: " + "  ".join(fixed) + "  auto  auto/best | live: auto  auto/best")
         ar = next(r for r in doc["runs"] if r["method"] == "ar")
         prompts = ar["aggregate"]["num_prompts"]  # the bench's own prompts: the first ones of the traces
         picked = slice(0, prompts) if args.trace_prompts is None else slice(*(int(v) for v in args.trace_prompts.split(":")))
         tokens = min(args.tokens_per_prompt, max(p["new_tokens"] for p in ar["prompts"]))
         devices = doc["metadata"].get("devices") or []
         cpu = bool(devices) and all(str(d).startswith("cpu") for d in devices)  # a round runs as it is queued
-        row = simulate([x["positions"] for x in traces["drafters"][name]][picked], costs, n=tokens, sync=cpu)
-        best_live = max((k for k in FIXED if k in live), key=live.get)
+        row = simulate([x["positions"] for x in traces["drafters"][name]][picked], costs, n=tokens, sync=cpu, fixed=fixed)
+        best_live = max(fixed, key=live.get)
         row.update(drafter=name, dtype=dtype, clock="cpu" if cpu else "device", prompts=prompts, trace_prompts=[picked.start, picked.stop], tokens=tokens, live_tok_s=live, live_best_fixed=best_live,
                    live_auto_vs_best=live.get("ddtree-auto", 0.0) / live[best_live],
                    costs={"ar": costs.ar, "verify": costs.verify, "rounds": costs.rounds, "beyond": costs.beyond},
                    rounds_vs_traces=rounds_against_traces(doc, {x["prompt"]: x["positions"] for x in traces["drafters"][name]}))
         rows.append(row)
         tpm = row["tok_per_ms"]
-        print(f"{name} {dtype} | " + "  ".join(f"{tpm[k] * 1e3:.0f}" for k in list(FIXED) + ["auto"])
+        print(f"{name} {dtype} | " + "  ".join(f"{tpm[k] * 1e3:.0f}" for k in list(fixed) + ["auto"])
               + f"  {row['auto_vs_best']:.3f} ({row['best_fixed']}) | {live.get('ddtree-auto', 0):.0f}  "
               f"{row['live_auto_vs_best']:.3f} ({best_live})")
     doc = {"traces": shown(args.traces), "bench": shown(args.bench), "rows": rows}

@@ -230,7 +230,7 @@ def compare_states(a, b, upto: int, tol: float) -> float:
     return worst
 
 
-AUTO_CYCLE = [15, 4, 64, 8, 32, 64, 4]  # --budget auto forced to switch every round, both directions
+AUTO_CYCLE = [15, 4, 63, 8, 31, 63, 4]  # --budget auto forced to switch every round, both directions
 
 
 def forced_chooser(cycle: list[int] = AUTO_CYCLE, probe_every: int | None = None):

@@ -90,7 +90,7 @@ OPTIONS: tuple[Opt, ...] = (
         default_doc="ddtree with a drafter, else ar", metavar="M"),
     Opt("budget", ("--budget", "-b"), str, (GEN, CHAT, SERVE, PLAN),
         "Draft-tree nodes verified per round (ddtree only), or auto: each round drafts the arm with the most expected "
-        "tokens per millisecond (the chain, a best-first tree of 4, 8, 15, 32 or 64 nodes, or 0: a plain target step; "
+        "tokens per millisecond (the chain, a best-first tree of 4, 8, 15, 31 or 63 nodes, or 0: a plain target step; "
         "drafter path probabilities times the acceptance seen so far, over each arm's whole-round wall time measured "
         "on this machine)",
         default=DEFAULT_BUDGET, metavar="N|auto", toml_types=(int,)),

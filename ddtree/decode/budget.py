@@ -31,7 +31,7 @@ from ddtree.decode.buffers import RoundOut, Slot
 from ddtree.model.drafter import DEFERRED_ROWS
 from ddtree.ops.tree import Tree
 
-AUTO_BUDGETS = (4, 8, 15, 32, 64)  # 15 draft nodes = the block-16 chain's verify size
+AUTO_BUDGETS = (4, 8, 15, 31, 63)  # 15 / 31 / 63 draft nodes: verifies of 16 / 32 / 64 nodes, below the tiles' edges
 AUTO_TOPK = 32  # drafter top-k columns of auto's trees (a 64-node tree rarely needs a 33rd token per position)
 PLAIN_PROBE = 16  # auto: after this many plain steps in a row, one drafts again (a fresh E_q curve)
 PLAIN_PROBE_MAX = DEFERRED_ROWS  # ... and after probes that did not pay, up to this many (doubling; the

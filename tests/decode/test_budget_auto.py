@@ -191,7 +191,7 @@ def test_auto_chain_arm_is_exact(kind):
     from ddtree.decode.budget import CHAIN
     from helpers import Oracle, forced_chooser
 
-    cycle = [8, CHAIN, CHAIN, 4, CHAIN, 0, 0, 0, CHAIN, 32, CHAIN, 0, 0, 0, 64, CHAIN]  # (round 0: a tree)
+    cycle = [8, CHAIN, CHAIN, 4, CHAIN, 0, 0, 0, CHAIN, 31, CHAIN, 0, 0, 0, 63, CHAIN]  # (round 0: a tree)
     dec, _ = build_random_pair(kind, seed=7)
     dec.chooser_class = forced_chooser(cycle, probe_every=3)
     prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -204,7 +204,7 @@ def test_auto_chain_arm_is_exact(kind):
     assert rec.token_ids == ar
     D = dec.block_size - 1  # the chain's draft nodes (no tree of that size in the cycle)
     chains = [r for r in rec.rounds if r.tree_size == D]
-    assert D not in cycle and len(chains) >= 4 and {0, 4, 8, 32, 64} <= {r.tree_size for r in rec.rounds}
+    assert D not in cycle and len(chains) >= 4 and {0, 4, 8, 31, 63} <= {r.tree_size for r in rec.rounds}
     assert all(r.tree_depth == D and set(r.accepted_ranks) <= {0} for r in chains)
     assert sum(r.accepted for r in chains) >= 2 * len(chains)
 
@@ -233,7 +233,7 @@ def test_deferred_context_rows_land_where_immediate_ones_would(kind):
     from helpers import forced_chooser
 
     dec, _ = build_random_pair(kind, seed=7)
-    dec.chooser_class = forced_chooser([8, 0, 0, 0, 0, 0, 32, 0, 0, 15], probe_every=4)
+    dec.chooser_class = forced_chooser([8, 0, 0, 0, 0, 0, 31, 0, 0, 15], probe_every=4)
     prompt = torch.randint(2, 97, (13,), generator=torch.Generator().manual_seed(4)).tolist()
     rec = dec.generate(prompt, "ddtree", budget="auto", max_new_tokens=40)
     sizes = [r.tree_size for r in rec.rounds]
