@@ -15,7 +15,7 @@ package reads the environment for these.
     attention        DDTREE_ATTENTION         auto      tree / decode attention: auto (the split-KV kernel where it runs), kernel, sdpa (dense-mask twin)
     prefill_attention DDTREE_PREFILL_ATTENTION auto     prefill attention: auto (cuDNN for long chunks, FlashAttention-2 for short ones, each the other's fallback, else the split-KV kernel), cudnn, flash, triton, efficient
     verify_fused     DDTREE_VERIFY_FUSED      auto      a verify's long committed prefix through cuDNN's attention, the rest by the split-KV kernel: auto (Hopper), on (any CUDA GPU), off
-    blas             DDTREE_BLAS              auto      the weight GEMMs' BLAS library on CUDA (torch's preferred_blas_library): auto, cublas, cublaslt
+    blas             DDTREE_BLAS              auto      the weight GEMMs' BLAS library on CUDA (torch's preferred_blas_library): auto (cuBLASLt on Hopper, torch's cuBLAS elsewhere), cublas, cublaslt
     fla              DDTREE_NO_FLA=1          on        flash-linear-attention's chunk kernel for prefill (when installed)
     prefill_fast_min DDTREE_PREFILL_FAST_MIN  2048      prompts of at least N tokens prefill through the compiled layers and fla; shorter ones through their eager twins (no compile or tuning before a short prompt's first token)
     host_rounds      DDTREE_HOST_ROUNDS=1     off       the host-tree round loop (the reference twin of the device pipeline)
@@ -95,7 +95,7 @@ class Options:
                                 "a verify's long committed prefix through cuDNN's attention: auto (Hopper), on, off",
                                 _choice("auto", "on", "off", alias={"1": "on", "0": "off"}), default="auto")
     blas: str = _switch("DDTREE_BLAS", "the weight GEMMs' BLAS library on CUDA (torch's preferred_blas_library): "
-                        "auto (torch's choice), cublas, cublaslt", _choice("auto", "cublas", "cublaslt"), default="auto")
+                        "auto (cuBLASLt on Hopper, torch's cuBLAS elsewhere), cublas, cublaslt", _choice("auto", "cublas", "cublaslt"), default="auto")
     fla: bool = _switch("DDTREE_NO_FLA", "flash-linear-attention's chunk kernel for prefill (when installed)",
                         _off_when_set, default=True)
     prefill_fast_min: int = _switch("DDTREE_PREFILL_FAST_MIN",

@@ -78,3 +78,19 @@ def test_blas_switch_sets_torch_blas_library_on_cuda_only(monkeypatch):
     assert not apply_blas(Options(blas="cublaslt"), [torch.device("cpu")])
     assert apply_blas(Options(blas="cublaslt"), [torch.device("cpu"), torch.device("cuda", 1)])
     assert calls == ["cublaslt"]
+
+
+def test_blas_auto_takes_cublaslt_on_hopper_alone():
+    """DDTREE_BLAS=auto: cuBLASLt where every CUDA device of the target is Hopper (measured faster
+    there), torch's choice on Ampere, on a mix, on a CPU target and where no CUDA is visible; a
+    named library wherever the target is on CUDA."""
+    from ddtree.ops.dispatch import blas_library
+    from ddtree.ops.triton_util import Arch
+
+    h100, h200, a6000 = Arch(9, 0, 232448, 132), Arch(9, 0, 232448, 132), Arch(8, 6, 101376, 84)
+    assert blas_library(Options(), [h100]) == "cublaslt" == blas_library(Options(), [h100, h200])
+    assert blas_library(Options(), [a6000]) is None and blas_library(Options(), [h100, a6000]) is None
+    assert blas_library(Options(), []) is None and blas_library(Options(), [None]) is None
+    for lib in ("cublas", "cublaslt"):
+        assert blas_library(Options(blas=lib), [a6000]) == lib == blas_library(Options(blas=lib), [h100])
+        assert blas_library(Options(blas=lib), []) is None

@@ -132,11 +132,25 @@ def _attention_kernel_available() -> bool:
     return hasattr(attention, "tree_attention")
 
 
+def blas_library(options: Options, archs: list) -> str | None:
+    """The BLAS library for the weight GEMMs of a target on CUDA devices of these Archs (None: leave
+    torch's choice, cuBLAS; so on a CPU target, archs empty). auto takes cuBLASLt on Hopper: at 1K
+    it verified every tree 0.2-0.5 ms faster than cuBLAS on an H100 and an H200, the AR step alike
+    (`results/blas-h100.json`, `results/blas-h200.json`); cuBLAS's tiles for 17 / 33 / 65 rows are
+    where the two differ most. Elsewhere (Ampere: unmeasured) torch's choice stays."""
+    if not archs:
+        return None
+    if options.blas != "auto":
+        return options.blas
+    return "cublaslt" if all(a is not None and a.major == 9 for a in archs) else None
+
+
 def apply_blas(options: Options, devices) -> bool:
-    """options.blas on a CUDA target: torch's BLAS library for every GEMM of the process (cuBLAS
-    and cuBLASLt pick their own kernels per shape; a verify's 17 / 33 / 65 rows are where cuBLAS's
-    choice costs most: `scripts/bench_verify.py --gemm-backends`). -> whether it was set."""
-    if options.blas == "auto" or not any(torch.device(d).type == "cuda" for d in devices):
+    """blas_library for a target on `devices`: torch's BLAS library for every GEMM of the process.
+    -> whether it was set."""
+    archs = [triton_util.arch(d) for d in devices if torch.device(d).type == "cuda"]
+    lib = blas_library(options, archs)
+    if lib is None:
         return False
-    torch.backends.cuda.preferred_blas_library(options.blas)
+    torch.backends.cuda.preferred_blas_library(lib)
     return True
