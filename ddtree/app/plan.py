@@ -494,7 +494,7 @@ def _parse_budget(value: Any) -> int | str:
     if s == "auto":
         return s
     if not s.isdigit() or int(s) < 1:
-        raise DDTreeError(f"--budget {value!r} is not a positive integer: pass the draft nodes per round (e.g. 32) or auto")
+        raise DDTreeError(f"--budget {value!r} is not a positive integer: pass the draft nodes per round (e.g. 31) or auto")
     return int(s)
 
 

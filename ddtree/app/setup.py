@@ -83,9 +83,9 @@ def parse_budget(value: Any, flag: str = "--budget") -> int | str:
         try:
             n = int(s)
         except ValueError:
-            raise DDTreeError(f"{flag} {value!r} is not a number: pass a positive integer (e.g. 32) or auto") from None
+            raise DDTreeError(f"{flag} {value!r} is not a number: pass a positive integer (e.g. 31) or auto") from None
     if n < 1:
-        raise DDTreeError(f"{flag} {n} must be at least 1: pass the number of draft nodes per round, e.g. 32")
+        raise DDTreeError(f"{flag} {n} must be at least 1: pass the number of draft nodes per round, e.g. 31")
     return n
 
 
