@@ -476,7 +476,7 @@ def replay_bench(traces: dict, args) -> int:
     """Every bench document in args.bench replayed: the simulation's tok/ms per method against the
     live run's decode tok/s, auto's ratio to the best fixed method in both."""
     rows = []
-    fixed: tuple[str, ...] = ()
+    header = None
     for path in sorted(args.bench.glob("codepair-*.json")):
         stem = path.stem[len("codepair-"):]
         name, dtype = stem.rsplit("-", 1)
@@ -484,8 +484,9 @@ def replay_bench(traces: dict, args) -> int:
             continue
         doc = json.loads(path.read_text())
         costs, live = bench_costs(doc)
-        if not fixed:  # the methods the bench ran (bench_auto.py: ar, dflash, ddtree 8 / 16 / 32 / 64)
-            fixed = tuple(k for k in FIXED if k in live)
+        fixed = tuple(k for k in FIXED if k in live)  # this bench's methods (bench_auto.py: ar, dflash, ddtree 8 / 16 / 32 / 64)
+        if fixed != header:
+            header = fixed
             print("drafter  dtype  | simulated: " + "  ".join(fixed) + "  auto  auto/best | live: auto  auto/best")
         ar = next(r for r in doc["runs"] if r["method"] == "ar")
         prompts = ar["aggregate"]["num_prompts"]  # the bench's own prompts: the first ones of the traces
