@@ -5,7 +5,7 @@
     python scripts/bench_auto.py --devices cpu --dtypes float32    # CPU (OMP_NUM_THREADS=1 for the reference rows)
     python scripts/bench_auto.py --fixture .fixture/codepair --drafters drafter-distilled --out-dir /root/out
 
-Each row is one `ddtree bench` (ar, dflash, ddtree 8/16/32/64 and auto; 8 prompts x 128 new tokens,
+Each row is one `ddtree bench` (ar, dflash, ddtree 8/15/16/31/32/63/64 and auto; 8 prompts x 128 new tokens,
 greedy, raw prompts, one warm-up; the runs interleaved prompt by prompt) whose document lands in --out-dir as
 codepair-<drafter>-<dtype>.json; the table says decode tok/s per method, the best fixed method,
 auto's ratio to it (the target: at least 0.97), how often auto took a plain step, the graph pieces
@@ -25,7 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FIXED = ("ar", "dflash", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-64")
+BUDGETS = "8,15,16,31,32,63,64,auto"  # every budget on both sides of each tile edge, as simulate_auto.py's FIXED_BUDGETS
+
+
+def fixed_methods(budgets: str) -> tuple[str, ...]:
+    return ("ar", "dflash") + tuple(f"ddtree-{b}" for b in budgets.split(",") if b != "auto")
 
 
 def label(run: dict) -> str:
@@ -34,10 +38,10 @@ def label(run: dict) -> str:
     return "ddtree-auto" if run.get("budget_setting") == "auto" else f"ddtree-{run['budget']}"
 
 
-def summarise(doc: dict) -> dict:
+def summarise(doc: dict, fixed_names: tuple[str, ...]) -> dict:
     runs = {label(r): r for r in doc["runs"]}
     tok_s = {k: r["aggregate"]["decode_tok_s"] for k, r in runs.items()}
-    fixed = {k: v for k, v in tok_s.items() if k in FIXED}
+    fixed = {k: v for k, v in tok_s.items() if k in fixed_names}
     best = max(fixed, key=fixed.get)
     auto = runs.get("ddtree-auto")
     hist = auto["aggregate"].get("tree_size", {}).get("histogram", {}) if auto else {}
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", default="auto")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--budgets", default="8,16,32,64,auto")
+    ap.add_argument("--budgets", default=BUDGETS)
     ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                     help="time the runs prompt by prompt in turn (ddtree bench --interleave), so a slow spell of the "
                          "machine hits every method alike")
@@ -79,13 +83,14 @@ def main(argv=None) -> int:
                             methods="ar,dflash,ddtree", budgets=args.budgets, max_new_tokens=args.max_new_tokens,
                             dtype=dtype, devices=args.devices, raw=True, limit=args.limit, interleave=args.interleave, out=out,
                             progress=False, print_table=False)
-            row = summarise(doc)
+            row = summarise(doc, fixed_methods(args.budgets))
             row.update(drafter=name, dtype=dtype, device=doc["metadata"].get("devices"), seconds=time.perf_counter() - t0)
             rows.append(row)
             print(f"{name} {dtype}: " + ", ".join(f"{k} {v:.0f}" for k, v in row["tok_s"].items())
                   + f"; auto / {row['best_fixed']} {row['auto_vs_best']:.3f}, plain {row['auto_plain_share']:.0%}, "
                   f"captures in timed prompts {sum(v or 0 for v in row['captures'].values())}, "
                   f"exact {row['all_exact']} ({row['seconds']:.0f} s)", flush=True)
+    FIXED = fixed_methods(args.budgets)
     head = ["drafter", "dtype"] + list(FIXED) + ["auto", "best fixed", "auto / best", "plain", "captures", "exact"]
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
