@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.decode.decoder import Decoder  # noqa: E402
 from ddtree.model.presets import PRESETS  # noqa: E402
+from ddtree.options import Options  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
 from ddtree.parallel.launch import run_tp  # noqa: E402
 from ddtree.parallel.workers import bench_worker, gen_kwargs, run_generate_tp_jobs  # noqa: E402
@@ -80,10 +81,11 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
     def tokens(dec):
         return [dec.generate(**gen_kwargs({}, j)).token_ids for j in jobs]
 
-    one = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices[:1]), torch.float32, 512, seed=3)))
+    opts = Options.from_env()  # the environment's switches, as the command line reads them
+    one = tokens(Decoder(*build_random_on_devices(raw_t, raw_d, list(devices[:1]), torch.float32, 512, seed=3), options=opts))
     pair = build_random_on_devices(raw_t, raw_d, list(devices), torch.float32, 512, seed=3)
-    split = tokens(Decoder(*pair, use_graphs=False))  # the eager split
-    split_graphed = tokens(Decoder(*pair, use_graphs=True)) if device_type == "cuda" else None
+    split = tokens(Decoder(*pair, use_graphs=False, options=opts))  # the eager split
+    split_graphed = tokens(Decoder(*pair, use_graphs=True, options=opts)) if device_type == "cuda" else None
     res = {"layer split = 1 device": dict(zip(names, (a == b for a, b in zip(one, split)))),
            **({"layer split graphed = 1 device": dict(zip(names, (a == b for a, b in zip(one, split_graphed))))}
               if split_graphed is not None else {})}
@@ -91,7 +93,7 @@ def exactness(devices=("cuda:0", "cuda:1"), device_type: str = "cuda", new_token
         return res
     target = build_random_target(raw_t, device=devices[0], seed=3, max_len=512)
     drafter = build_random_drafter(raw_d, target, device=devices[0], seed=4, max_len=512)
-    ref = tokens(Decoder(target, drafter, 512))
+    ref = tokens(Decoder(target, drafter, 512, options=opts))
     with tempfile.TemporaryDirectory() as tmp:
         tdir = save_checkpoint({k: v.cpu() for k, v in target.state_dict().items()}, raw_t, Path(tmp) / "target",
                                layout="conditional", shards=2)
@@ -148,7 +150,7 @@ def main():
         t, d = build_random_on_devices(raw_t, raw_d, devs, torch.bfloat16, max_len)
         for g in graphed:
             row = {None: name, True: f"{name} graphed", False: name}[g]
-            dec = Decoder(t, d, use_graphs=g)
+            dec = Decoder(t, d, use_graphs=g, options=Options.from_env())  # DDTREE_BLAS and the others, as the CLI
             res[row] = summarize([dec.generate(**gen_kwargs({}, j)) for j in jobs_for(prompt, a.tokens)])
             res[row]["graphs"] = dec.use_graphs
             print(row, {k: v for k, v in res[row].items() if "tokens" not in k}, file=sys.stderr, flush=True)

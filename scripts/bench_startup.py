@@ -79,12 +79,13 @@ import torch
 from ddtree.model.presets import PRESETS
 from ddtree.model.synthetic import build_random_on_devices
 from ddtree.decode.decoder import Decoder
+from ddtree.options import Options
 t0 = time.perf_counter()
 mk_t, mk_d = PRESETS[{preset!r}]
 target, drafter = build_random_on_devices(mk_t(), mk_d(), [torch.device("cuda:0")], torch.bfloat16, {ctx} + 1024)
 torch.cuda.synchronize()
 build_s = time.perf_counter() - t0
-dec = Decoder(target, drafter)
+dec = Decoder(target, drafter, options=Options.from_env())
 ids = torch.randint(10, 1000, ({ctx},), generator=torch.Generator().manual_seed(0)).tolist()
 out = {{"build_s": build_s}}
 for spec in {methods!r}:

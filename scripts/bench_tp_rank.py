@@ -44,6 +44,7 @@ from ddtree.model.presets import PRESETS  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
 from ddtree.parallel.comm import install_rank_stand_ins  # noqa: E402
 from ddtree.parallel.sharding import random_drafter, random_target_shard, rank_bytes_per_token  # noqa: E402
+from ddtree.options import Options  # noqa: E402
 
 # Published per-collective costs (us) for an all-reduce of ~8-10 KB inside CUDA graphs
 # (../shared/notes/anchors.md); NOT measured by this script.
@@ -112,7 +113,7 @@ def measure(raw_t: dict, raw_d: dict, world: int, contexts: list[int], tokens: i
     gen = torch.Generator().manual_seed(0)
     hi = min(1000, TargetConfig.from_dict(raw_t).vocab_size)  # ordinary token ids, as bench_engine.py draws them
     prompts = {c: torch.randint(min(10, hi - 1), hi, (c,), generator=gen).tolist() for c in contexts}
-    dec_kw = dict(use_graphs=cuda, compile=compile_layers and cuda)
+    dec_kw = dict(use_graphs=cuda, compile=compile_layers and cuda, options=Options.from_env())
     res: dict = {"shard": {}}
 
     target = random_target_shard(raw_t, 0, world, dev, dtype, max_len, install_hooks=False)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.model.checkpoint import load_drafter, load_target  # noqa: E402
 from ddtree.decode.decoder import Decoder  # noqa: E402
 from ddtree.model.presets import PRESETS  # noqa: E402
+from ddtree.options import Options  # noqa: E402
 from ddtree.app.prompts import load_prompts  # noqa: E402
 from ddtree.model.synthetic import build_random_on_devices  # noqa: E402
 from bench_engine import kernel_times  # noqa: E402  (scripts/ is sys.path[0])
@@ -162,7 +163,7 @@ def main():
         tok = load_tokenizer(Path(a.target))  # as ddtree tokenizes (the checkpoint's tokenizer.json)
         prompts = a.prompts or str(Path(a.target).parent / "prompts.jsonl")
         ids = tok(load_prompts(prompts)[0].text)["input_ids"][:512]
-    dec = Decoder(target, drafter)
+    dec = Decoder(target, drafter, options=Options.from_env())  # the environment's switches, as the CLI
     report = {}
     if a.prefill:
         report["prefill"] = prefill_profile(dec, [int(x) for x in a.prefill.split(",")], a.top, target.cfg.vocab_size)

@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 from ddtree.decode.budget import AUTO_BUDGETS, AUTO_TOPK, CHAIN, Auto, AutoMemory, BudgetChooser  # noqa: E402
 from ddtree.decode.buffers import RoundOut  # noqa: E402
 from ddtree.ops.tree import build_tree  # noqa: E402
+from ddtree.options import Options  # noqa: E402
 
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "codepair"
 TRACES = ROOT / "results" / "auto-traces-cpu.json.gz"
@@ -120,7 +121,7 @@ def record(fixture: Path, drafters: list[str], limit: int, tokens: int, log=prin
     conts: dict[str, list[int]] = {}
     for name in drafters:
         drafter, _ = load_drafter(str(fixture / name), target, torch.float32, max_len)
-        dec = Decoder(target, drafter)
+        dec = Decoder(target, drafter, options=Options.from_env())
         assert drafter.cfg.block_size == D, drafter.cfg.block_size
         runs = []
         for p, ids in zip(prompts, encoded):
@@ -428,7 +429,7 @@ def check_live(traces: dict, fixture: Path, limit: int, tokens: int) -> int:
     checked = wrong = 0
     for name, runs in traces["drafters"].items():
         drafter, _ = load_drafter(str(fixture / name), target, torch.float32, 1024)
-        dec = Decoder(target, drafter)
+        dec = Decoder(target, drafter, options=Options.from_env())
         by_prompt = {r["prompt"]: r["positions"] for r in runs}
         for p in prompts:
             ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]

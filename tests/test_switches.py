@@ -57,6 +57,28 @@ def test_no_module_reads_a_switch_but_options():
     assert not offenders, offenders
 
 
+def test_every_script_decoder_takes_the_environments_switches():
+    """A Decoder built without options takes Options(), the defaults, whatever the environment says:
+    every Decoder a script builds gets Options.from_env() (or keyword arguments holding it), so that
+    `DDTREE_BLAS=cublas python scripts/bench_multigpu.py` measures what it names, as the CLI would."""
+    import re
+
+    offenders = []
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        text = path.read_text()
+        for m in re.finditer(r"(?<![\w.])Decoder\(", text):
+            depth, i = 1, m.end()
+            while depth:  # the call's arguments, to its closing parenthesis
+                depth += {"(": 1, ")": -1}.get(text[i], 0)
+                i += 1
+            args = text[m.end():i - 1]
+            kw = re.search(r"\*\*(\w+)", args)
+            passed = "options=" in args or kw is not None and re.search(rf"{kw.group(1)} = dict\([^\n]*options=", text)
+            if not (passed and "Options.from_env()" in text):
+                offenders.append(f"{path.name}:{text.count(chr(10), 0, m.start()) + 1}: Decoder({args})")
+    assert not offenders, offenders
+
+
 def test_changed_names_the_switches_off_their_default():
     env = {"DDTREE_NO_COMPILE": "1", "DDTREE_TREE_PROLOGUE": "8", "DDTREE_ATTENTION": "auto"}  # auto: the default
     o = Options.from_env(env)
