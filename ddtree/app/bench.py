@@ -324,12 +324,13 @@ class _Bench:
         self.results: list[dict] = []
         self.partial: dict = {}  # (method, budget) -> records of each run in progress
         self.dec = None
+        self.gen: Callable | None = None  # one generation of the loaded decoder (run_local)
         self.paths: dict = {}
         self.ar_tokens: dict[str, list[int]] = {}
 
     # ---------------------------------------------------------------- one process
     def run_local(self, max_len: int, need_drafter: bool, warmup: int, room: int | None = None) -> None:
-        from tqdm import tqdm
+        from ddtree.decode.startup import heap_frozen
 
         loaded = load_models(self.spec, max_len, need_drafter, self.stage, room=room,
                              auto=any(b == "auto" for _, b in self.plan))
@@ -345,6 +346,7 @@ class _Bench:
                 decode_text=decode_text,
             )
 
+        self.gen = gen
         jobs = warmup_jobs(self.plan, self.encoded, warmup, self.max_new)
         if jobs:
             self.stage("warming up")
@@ -355,7 +357,15 @@ class _Bench:
             logger.debug(f"warm-up done ({warmup} round(s) over the shortest and longest prompts per run, every "
                          f"prompt for auto and {settled} more pass(es) until one captured nothing, then one prefill "
                          f"per prompt length and method; {ahead} graph pieces the timed prompts can reach captured directly)")
-        # one group of runs at a time: each run over every prompt, or (--interleave) every run together, prompt by prompt
+        with heap_frozen():  # no full collection of the compile's objects inside a timed prompt
+            self.timed_runs()
+
+    def timed_runs(self) -> None:
+        """The timed generations: one group of runs at a time, each run over every prompt, or
+        (--interleave) every run together, prompt by prompt."""
+        from tqdm import tqdm
+
+        gen = self.gen
         for group in [self.plan] if self.interleave else [[run] for run in self.plan]:
             label = "every run, prompt by prompt" if self.interleave else _label(*group[0])
             self.stage(f"running {label}")
