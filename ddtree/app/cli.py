@@ -270,7 +270,7 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
 
         return run_generate_remote(opts, given, prompt)
     from ddtree.app import setup as S
-    from ddtree.decode.startup import process_age_s
+    from ddtree.decode.startup import freeze_heap, process_age_s
 
     t_entry, age = time.perf_counter(), process_age_s() or 0.0  # the start-up line counts from the command
     method, budget, tp, stats_path = _check_generate(S, opts)  # every check that needs no torch, first
@@ -334,6 +334,8 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
             for i, (p, ids) in enumerate(encoded):
                 if len(encoded) > 1:
                     logger.info(f"prompt {p.id} ({i + 1}/{len(encoded)}, {len(ids)} tokens)")
+                if i:  # the process keeps this decoder: what the prompts before compiled or captured, frozen (as chat)
+                    freeze_heap(loaded.decoder.graphs)
                 _set_stage(f"generating ({method})")
                 streamer = start(p, ids)
                 rec = loaded.decoder.generate(

@@ -508,6 +508,33 @@ def test_generate_jsonl_one_object_per_prompt(tiny_pair, tmp_path):
     assert "--jsonl prints one JSON object per prompt" in r.stderr
 
 
+def test_generate_freezes_the_heap_before_later_prompts(tiny_pair, tmp_path, monkeypatch):
+    """The command keeps one decoder for its prompts: from the second prompt on, what the prompts
+    before left behind (compiled layers, captured graphs) is frozen, as chat does between turns, so
+    no full collection rescans it inside a prompt; the first prompt waits for no collection."""
+    import gc
+
+    from ddtree.decode import decoder
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "first"}\n{"id": "b", "prompt": "second"}\n{"id": "c", "prompt": "third"}\n')
+    frozen = []
+    real = decoder.Decoder.generate
+
+    def gen(self, *a, **k):
+        frozen.append(gc.get_freeze_count() > 0)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(decoder.Decoder, "generate", gen)
+    gc.unfreeze()
+    try:
+        r = invoke("generate", *tiny_args(tiny_pair, "dflash", 3), "--prompts", prompts)
+        assert r.exit_code == 0, r.stderr
+        assert frozen == [False, True, True]
+    finally:
+        gc.unfreeze()
+
+
 def test_ignored_options_warn_once_and_bad_input_stays_one_line(tiny_pair, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "first"}\n')
