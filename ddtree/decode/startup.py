@@ -76,9 +76,10 @@ def heap_frozen():
     """For a stretch that times decoding in a process that frees its decoder afterwards (a bench):
     one full collection and gc.freeze, as chat and serve keep for good (freeze_heap), so that no
     full collection rescans the compile's and the capture's objects inside a timed prompt (on the
-    H100's codepair bench, before this, one prompt in about 240 took 0.38-0.58 s for 0.03-0.05:
-    a full collection of that heap); on leaving, gc.unfreeze where nothing was frozen before, so
-    the decoder's reference cycles are collectable again."""
+    H100's codepair bench, before this, one prompt in about 240 took 0.38-0.58 s for 0.03-0.05,
+    about what such a collection takes: 498 ms after a 27B chat's warm-up); on leaving,
+    gc.unfreeze where nothing was frozen before, so the decoder's reference cycles are
+    collectable again."""
     before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
