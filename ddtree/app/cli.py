@@ -332,10 +332,10 @@ def run_generate(opts: dict, given: frozenset = frozenset(), prompt: Optional[st
             sp = S.sampling_params(opts)
             decode_text = S.decode_text_fn(spec.tokenizer)
             for i, (p, ids) in enumerate(encoded):
-                if len(encoded) > 1:
-                    logger.info(f"prompt {p.id} ({i + 1}/{len(encoded)}, {len(ids)} tokens)")
                 if i:  # the process keeps this decoder: what the prompts before compiled or captured, frozen (as chat)
                     freeze_heap(loaded.decoder.graphs)
+                if len(encoded) > 1:  # (after the freeze: the line says the prompt has started)
+                    logger.info(f"prompt {p.id} ({i + 1}/{len(encoded)}, {len(ids)} tokens)")
                 _set_stage(f"generating ({method})")
                 streamer = start(p, ids)
                 rec = loaded.decoder.generate(
