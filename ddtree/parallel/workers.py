@@ -93,8 +93,23 @@ def tp_worker_generate(rank: int, world: int, opts: dict, result_queue=None) -> 
     if opts.get("drafter"):
         drafter, _ = load_drafter(str(opts["drafter"]), target, dtype, max_len, device=device)
     dec = Decoder(target, drafter, max_len, **_decoder_kw(opts))  # after the hooks: it copies target.gather_logits
+    records = generate_jobs(dec, opts, jobs, rank, result_queue)
+    close_worker()
+    return records
+
+
+def generate_jobs(dec, opts: dict, jobs: list[dict], rank: int = 0, result_queue=None) -> list:
+    """One rank's generations, in order (rank 0 keeps the records and sends them, and the tokens
+    where opts stream, to result_queue). The worker keeps this decoder for its life: from the
+    second job on, what the jobs before compiled or captured is frozen first (freeze_heap, as
+    `generate --prompts` and chat do), every rank at the same point, so no full collection of it
+    lands inside a generation (a bench's timed ones among them)."""
+    from ddtree.decode.startup import freeze_heap
+
     records = []
     for i, job in enumerate(jobs):
+        if i:
+            freeze_heap(dec.graphs)
         kw = gen_kwargs(opts, job)
         on_tokens = None
         if rank == 0 and result_queue is not None and opts.get("stream", True):
@@ -104,7 +119,6 @@ def tp_worker_generate(rank: int, world: int, opts: dict, result_queue=None) -> 
             records.append(rec)
             if result_queue is not None:
                 put_message(result_queue, "record", i, rec)
-    close_worker()
     return records
 
 

@@ -44,6 +44,38 @@ def pair_dirs(tmp_path_factory):
 # ------------------------------------------------------------------ slicing
 
 
+def test_rank_jobs_run_on_a_frozen_heap_after_the_first():
+    """A rank keeps its decoder for its life: before every job after the first, what the jobs
+    before compiled or captured is frozen (freeze_heap), on every rank alike; only rank 0 keeps
+    the records."""
+    import gc
+    from types import SimpleNamespace
+
+    from ddtree.parallel.workers import generate_jobs
+
+    frozen = []
+
+    class Dec:
+        graphs = SimpleNamespace(new_keys=0)
+
+        def generate(self, on_tokens=None, **kw):
+            frozen.append(gc.get_freeze_count() > 0)
+            self.graphs.new_keys += 1  # each job captures something new
+            return kw["prompt_id"]
+
+    jobs = [{"prompt_id": p} for p in "abc"]
+    gc.unfreeze()
+    try:
+        assert generate_jobs(Dec(), {"prompt_ids": [1, 2]}, jobs, rank=0) == ["a", "b", "c"]
+        assert frozen == [False, True, True]
+        gc.unfreeze()
+        frozen.clear()
+        assert generate_jobs(Dec(), {"prompt_ids": [1, 2]}, jobs, rank=1) == []
+        assert frozen == [False, True, True]
+    finally:
+        gc.unfreeze()
+
+
 def test_shard_config_divides_and_rejects():
     cfg = TargetConfig.from_dict(_raw())
     s = shard_config(cfg, W)
