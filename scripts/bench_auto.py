@@ -25,7 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BUDGETS = "8,15,16,31,32,63,64,auto"  # every budget on both sides of each tile edge, as simulate_auto.py's FIXED_BUDGETS
+from scripts.simulate_auto import FIXED_BUDGETS  # noqa: E402
+
+BUDGETS = ",".join(map(str, FIXED_BUDGETS)) + ",auto"  # the simulation's: both sides of each tile edge
 
 
 def fixed_methods(budgets: str) -> tuple[str, ...]:

@@ -137,6 +137,7 @@ def main():
         sys.exit("--split-devices needs two stages, e.g. cuda:0,cuda:1 or cuda:0,cuda:0")
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ[k] = v
+    opts = Options.from_env()  # DDTREE_BLAS and the other switches, as the command line reads them
     mk_t, mk_d = PRESETS[a.preset]
     raw_t, raw_d = mk_t(), mk_d()
     prompt = torch.randint(10, 1000, (a.ctx,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -150,7 +151,7 @@ def main():
         t, d = build_random_on_devices(raw_t, raw_d, devs, torch.bfloat16, max_len)
         for g in graphed:
             row = {None: name, True: f"{name} graphed", False: name}[g]
-            dec = Decoder(t, d, use_graphs=g, options=Options.from_env())  # DDTREE_BLAS and the others, as the CLI
+            dec = Decoder(t, d, use_graphs=g, options=opts)
             res[row] = summarize([dec.generate(**gen_kwargs({}, j)) for j in jobs_for(prompt, a.tokens)])
             res[row]["graphs"] = dec.use_graphs
             print(row, {k: v for k, v in res[row].items() if "tokens" not in k}, file=sys.stderr, flush=True)

@@ -65,7 +65,7 @@ ENGINE = ROOT / "results" / "engine-long-h200.json"
 DRAFTERS = ("drafter", "drafter-distilled", "drafter-large")
 BLOCK = 16
 
-FIXED_BUDGETS = (8, 15, 16, 31, 32, 63, 64)  # bench's 8 / 15 / 31 / 63 and bench_auto.py's 8 / 16 / 32 / 64
+FIXED_BUDGETS = (8, 15, 16, 31, 32, 63, 64)  # both sides of each tile edge (bench_auto.py's default too)
 FIXED = ("ar", "dflash") + tuple(f"ddtree-{b}" for b in FIXED_BUDGETS)
 
 
@@ -485,7 +485,7 @@ def replay_bench(traces: dict, args) -> int:
             continue
         doc = json.loads(path.read_text())
         costs, live = bench_costs(doc)
-        fixed = tuple(k for k in FIXED if k in live)  # this bench's methods (bench_auto.py: ar, dflash, ddtree 8 / 16 / 32 / 64)
+        fixed = tuple(k for k in FIXED if k in live)  # this bench's methods (an older bench_auto.py's: ddtree 8 / 16 / 32 / 64)
         if fixed != header:
             header = fixed
             print("drafter  dtype  | simulated: " + "  ".join(fixed) + "  auto  auto/best | live: auto  auto/best")

@@ -324,12 +324,13 @@ class _Bench:
         self.results: list[dict] = []
         self.partial: dict = {}  # (method, budget) -> records of each run in progress
         self.dec = None
-        self.gen: Callable | None = None  # one generation of the loaded decoder (run_local)
         self.paths: dict = {}
         self.ar_tokens: dict[str, list[int]] = {}
 
     # ---------------------------------------------------------------- one process
     def run_local(self, max_len: int, need_drafter: bool, warmup: int, room: int | None = None) -> None:
+        from tqdm import tqdm
+
         from ddtree.decode.startup import heap_frozen
 
         loaded = load_models(self.spec, max_len, need_drafter, self.stage, room=room,
@@ -346,7 +347,6 @@ class _Bench:
                 decode_text=decode_text,
             )
 
-        self.gen = gen
         jobs = warmup_jobs(self.plan, self.encoded, warmup, self.max_new)
         if jobs:
             self.stage("warming up")
@@ -357,31 +357,25 @@ class _Bench:
             logger.debug(f"warm-up done ({warmup} round(s) over the shortest and longest prompts per run, every "
                          f"prompt for auto and {settled} more pass(es) until one captured nothing, then one prefill "
                          f"per prompt length and method; {ahead} graph pieces the timed prompts can reach captured directly)")
-        with heap_frozen():  # no full collection of the compile's objects inside a timed prompt
-            self.timed_runs()
-
-    def timed_runs(self) -> None:
-        """The timed generations: one group of runs at a time, each run over every prompt, or
-        (--interleave) every run together, prompt by prompt."""
-        from tqdm import tqdm
-
-        gen = self.gen
-        for group in [self.plan] if self.interleave else [[run] for run in self.plan]:
-            label = "every run, prompt by prompt" if self.interleave else _label(*group[0])
-            self.stage(f"running {label}")
-            self.partial = {run: [] for run in group}
-            bar = tqdm(self.encoded, desc=f"{'all' if self.interleave else label:>10}", unit="prompt", file=sys.stderr,
-                       disable=not self.progress, leave=True, dynamic_ncols=True)
-            for p, ids in bar:
-                for (method, budget), records in self.partial.items():
-                    records.append(gen(method, budget, ids, p.id, self.max_new))
-                if self.progress and not self.interleave:
-                    a = aggregate(records)
-                    bar.set_postfix_str(f"{a['decode_tok_s']:.1f} tok/s, {a['tokens_per_target_forward']:.2f} tok/fwd")
-            bar.close()
-            finished, self.partial = self.partial, {}
-            for (method, budget), records in finished.items():
-                self.finish_run(method, budget, records)
+        # one group of runs at a time: each run over every prompt, or (--interleave) every run together, prompt by
+        # prompt; on a frozen heap, so no full collection of the compile's objects lands inside a timed prompt
+        with heap_frozen():
+            for group in [self.plan] if self.interleave else [[run] for run in self.plan]:
+                label = "every run, prompt by prompt" if self.interleave else _label(*group[0])
+                self.stage(f"running {label}")
+                self.partial = {run: [] for run in group}
+                bar = tqdm(self.encoded, desc=f"{'all' if self.interleave else label:>10}", unit="prompt", file=sys.stderr,
+                           disable=not self.progress, leave=True, dynamic_ncols=True)
+                for p, ids in bar:
+                    for (method, budget), records in self.partial.items():
+                        records.append(gen(method, budget, ids, p.id, self.max_new))
+                    if self.progress and not self.interleave:
+                        a = aggregate(records)
+                        bar.set_postfix_str(f"{a['decode_tok_s']:.1f} tok/s, {a['tokens_per_target_forward']:.2f} tok/fwd")
+                bar.close()
+                finished, self.partial = self.partial, {}
+                for (method, budget), records in finished.items():
+                    self.finish_run(method, budget, records)
 
     # ---------------------------------------------------------------- tensor parallel
     def run_tp(self, args: dict, warmup: int) -> None:

@@ -79,3 +79,22 @@ def tiny_pair_fixture():
         return write_tiny_pair(tmp_path_factory.getbasetemp() / "tiny_pair")
 
     return tiny_pair
+
+
+def heap_frozen_at_each_generate(monkeypatch) -> list[bool]:
+    """Unfreeze the heap, then record, at every Decoder.generate from here on, whether it was frozen
+    (gc.freeze; ddtree.decode.startup): the list fills as generations start."""
+    import gc
+
+    from ddtree.decode import decoder
+
+    frozen: list[bool] = []
+    real = decoder.Decoder.generate
+
+    def generate(self, *a, **k):
+        frozen.append(gc.get_freeze_count() > 0)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(decoder.Decoder, "generate", generate)
+    gc.unfreeze()
+    return frozen

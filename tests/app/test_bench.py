@@ -428,31 +428,22 @@ def test_bench_interleave_times_the_runs_prompt_by_prompt(tiny_pair, tmp_path, o
     assert all(run["exact_match_vs_ar"] for run in docs["--interleave"]["runs"][1:])
 
 
-def test_bench_times_its_prompts_on_a_frozen_heap(tiny_pair, tmp_path, one_thread):
+def test_bench_times_its_prompts_on_a_frozen_heap(tiny_pair, tmp_path, one_thread, monkeypatch):
     """The timed generations run with the heap frozen (one full collection before them, none of the
     compile's and capture's objects rescanned inside a prompt), the warm-up's before it; after the
     bench nothing stays frozen, so its decoder can be collected."""
     import gc
 
-    from ddtree.decode import decoder
+    from app_helpers import heap_frozen_at_each_generate
 
     tdir, ddir = tiny_pair
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "frozen heap"}\n{"id": "b", "prompt": "timed prompts"}\n')
-    frozen = []
-    real = decoder.Decoder.generate
-
-    def gen(self, *a, **k):
-        frozen.append(gc.get_freeze_count() > 0)
-        return real(self, *a, **k)
-
-    gc.unfreeze()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decoder.Decoder, "generate", gen)
-        r = CliRunner().invoke(app, [
-            "bench", "--target", str(tdir), "--drafter", str(ddir), "--prompts", str(prompts), "--methods", "ar,ddtree",
-            "--budgets", "4", "--max-new-tokens", "4", "--devices", "cpu", "--dtype", "float32", "--warmup", "1",
-            "--out", str(tmp_path / "b.json")])
+    frozen = heap_frozen_at_each_generate(monkeypatch)
+    r = CliRunner().invoke(app, [
+        "bench", "--target", str(tdir), "--drafter", str(ddir), "--prompts", str(prompts), "--methods", "ar,ddtree",
+        "--budgets", "4", "--max-new-tokens", "4", "--devices", "cpu", "--dtype", "float32", "--warmup", "1",
+        "--out", str(tmp_path / "b.json")])
     assert r.exit_code == 0, (r.stderr, r.exception)
     timed = 2 * 2  # two runs over two prompts, the last generations of the bench
     assert len(frozen) > timed and frozen[-timed:] == [True] * timed and not any(frozen[:-timed]), frozen

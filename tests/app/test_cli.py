@@ -514,19 +514,11 @@ def test_generate_freezes_the_heap_before_later_prompts(tiny_pair, tmp_path, mon
     no full collection rescans it inside a prompt; the first prompt waits for no collection."""
     import gc
 
-    from ddtree.decode import decoder
+    from app_helpers import heap_frozen_at_each_generate
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "first"}\n{"id": "b", "prompt": "second"}\n{"id": "c", "prompt": "third"}\n')
-    frozen = []
-    real = decoder.Decoder.generate
-
-    def gen(self, *a, **k):
-        frozen.append(gc.get_freeze_count() > 0)
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(decoder.Decoder, "generate", gen)
-    gc.unfreeze()
+    frozen = heap_frozen_at_each_generate(monkeypatch)
     try:
         r = invoke("generate", *tiny_args(tiny_pair, "dflash", 3), "--prompts", prompts)
         assert r.exit_code == 0, r.stderr
