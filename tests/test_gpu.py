@@ -270,6 +270,8 @@ def test_tree_verify_at_27b_shapes_equals_tree_wy(precision):
         if T >= 17:
             paths["blocked"] = lambda out: gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, s.window),
                                                                      layer.rec_state, mask, out, precision)
+            paths["diag"] = lambda out: gdn_tree.gdn_tree_diag(layer, proj, ext, s.window, layer.rec_state, mask, out,
+                                                               precision)
         for name, run in paths.items():
             got = scratch()
             assert_rel(run(got), o_ref, tol, f"{name} vs tree_wy T={T}")
