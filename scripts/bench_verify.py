@@ -16,7 +16,7 @@
    --tiles); `blocked prologue` (gdn_tree.gdn_prologue from the projection, then
    gdn_tree_blocked: three launches; less the projection's time) and `diag prologue`
    (gdn_tree.gdn_tree_diag: the prologue inside the first pass, two launches; the engine's path
-   past one tile up to DDTREE_TREE_DIAG nodes)
+   past one tile up to DDTREE_TREE_DIAG nodes; `pdl`: the second as a programmatic dependent launch)
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -151,12 +151,13 @@ def blocked_prologue_path(layer, x, step, S0, mask, scratch, prec):
     return run
 
 
-def diag_prologue_path(layer, x, step, S0, mask, scratch, prec):
+def diag_prologue_path(layer, x, step, S0, mask, scratch, prec, pdl: bool = False):
     """The blocked path in two launches, from the projection: the prologue inside the first pass
-    (gdn_tree.gdn_tree_diag). -> a function of no arguments running it."""
+    (gdn_tree.gdn_tree_diag; pdl: the second pass as a programmatic dependent launch). -> a
+    function of no arguments running it."""
     def run():
         pj, ex = layer.project(x)
-        return gdn_tree.gdn_tree_diag(layer, pj, ex, step.window, S0, mask, scratch, prec)
+        return gdn_tree.gdn_tree_diag(layer, pj, ex, step.window, S0, mask, scratch, prec, pdl=pdl)
     return run
 
 
@@ -221,8 +222,9 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
 
         blocked_prologue = blocked_prologue_path(layer, x, step, S0, mask, scratch, prec)
         diag_prologue = diag_prologue_path(layer, x, step, S0, mask, scratch, prec)
+        diag_pdl = diag_prologue_path(layer, x, step, S0, mask, scratch, prec, pdl=True)
 
-        with_proj = {blocked_prologue, diag_prologue}
+        with_proj = {blocked_prologue, diag_prologue, diag_pdl}
         proj_ms = graph_ms(lambda: layer.project(x))
         n = gdn_tree.tile_nodes(T)
         tiles_of = {p: gdn_tree.launch_tiles(n, layer.dv, prologue=p == "prologue") for p in ("kernel", "prologue")}
@@ -248,6 +250,7 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
                          ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked prologue", blocked_prologue),
                          ("diag prologue", diag_prologue),
+                         ("diag prologue pdl", diag_pdl),
                          *((f"blocked chunk{c}", lambda c=c: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, chunk=c)) for c in chunks),
                          *((f"blocked{b} root" if r else f"blocked{b}", lambda b=b, r=r: gdn_tree.gdn_tree_blocked(

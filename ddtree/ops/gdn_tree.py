@@ -20,6 +20,9 @@ from ddtree.ops.eager import eager
 from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, tl, triton
 from ddtree.ops.triton_util import tile as _tile
 
+if triton is not None:  # programmatic dependent launch's wait and trigger (Hopper; gdn_tree_diag's pdl)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 MAX_NODES = 128  # one program holds a whole tree: [T, T] tiles
 HEAD_BLOCK = 64  # gdn_tree_blocked's blocks of this many nodes or more: the first pass a program per head
 
@@ -368,7 +371,7 @@ def _gdn_tree_diag_kernel(
     s_pt, C, HV, s_qt, s_qh, s_vt, s_vh, s_gt, s_kbh, s_kbt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr, LD: tl.constexpr,
-    REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
+    REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr, PDL: tl.constexpr,
 ):
     # The blocked recurrence's first pass with the prologue inside, one program per (block b of SB
     # nodes, value head): block b's q, k, v and gates from the projection (as _gdn_prologue_kernel,
@@ -376,6 +379,10 @@ def _gdn_tree_diag_kernel(
     # A[b, b])^-1, pm[b, b]); the cross terms against earlier blocks, which need their k, are left
     # to the second pass (_gdn_tree_solve_kernel's CROSS). So no program waits on another's rows
     # and the prologue needs no launch of its own. Block 0's program also writes the root's row.
+    # PDL: the second pass is launched as this one's programmatic dependent (Hopper): its programs
+    # may start now, and load the state before they wait for this grid (gdc_wait).
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     f32 = tl.float32
@@ -434,7 +441,7 @@ def _gdn_tree_solve_kernel(
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SB: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr,
-    CROSS: tl.constexpr, DC: tl.constexpr,
+    CROSS: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr,
 ):
     # The blocked recurrence's second pass, one program per (value head, block of BV value
     # channels), the blocks in order (ancestors come first): U[b] = wm[b, b] (R[b] - sum_c<b
@@ -457,6 +464,8 @@ def _gdn_tree_solve_kernel(
     ov = vb * BV + tl.arange(0, BV)
     mk, mv = ok < DK, ov < DV
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    if PDL:  # launched as the first pass's programmatic dependent: everything below reads its output
+        gdc_wait()
     c0 = 0.0
     if ROOT:
         c0 = tl.load(g + h * s_gh).to(f32)
@@ -547,7 +556,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), LD=LD,
-            CROSS=0, DC=min(chunk, _tile(dk)), num_warps=warps,
+            CROSS=0, DC=min(chunk, _tile(dk)), PDL=0, num_warps=warps,
         )
     return o
 
@@ -575,12 +584,14 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
 
 @eager
 def gdn_tree_diag(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
-                  precision: str = "ieee", tiles=None, root: bool | None = None, chunk: int | None = None):
+                  precision: str = "ieee", tiles=None, root: bool | None = None, chunk: int | None = None,
+                  pdl: bool = False):
     """gdn_prologue + gdn_tree_blocked in two launches instead of three, in 16-node blocks: the
     first pass takes the prologue inside and writes each block's diagonal matrices
     (_gdn_tree_diag_kernel), the second takes the cross terms between blocks on the fly
     (_gdn_tree_solve_kernel's CROSS). Arguments as gdn_tree_prologue's; root as gdn_tree_blocked's
-    (None: fold_root's rule); chunk: both passes' key products in chunks of this many channels.
+    (None: fold_root's rule); chunk: both passes' key products in chunks of this many channels;
+    pdl: the second pass as the first's programmatic dependent launch (CUDA on Hopper and later).
     -> o [T, hv, dv] fp32, `out` written as gdn_tree writes it. Twin: qkvgb + gdn.tree_wy
     (tests/ops/test_gdn_kernels.py)."""
     T, dev = proj.shape[0], proj.device
@@ -593,6 +604,7 @@ def gdn_tree_diag(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Te
     kb, ub, cb = out
     a = triton_util.arch(S0.device)
     root = fold_root(T, block) if root is None else bool(root)
+    pdl = pdl and T > root and a is not None and a.major >= 9  # (griddepcontrol: sm_90 and later)
     BV, warps = tiles or blocked_tiles(block, dv)
     prec = triton_util.dot_precision(precision, a)
     LD = max(16, -(-(T - root) // 16) * 16)  # as gdn_tree_blocked's
@@ -607,7 +619,7 @@ def gdn_tree_diag(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Te
                 kb.stride(0), kb.stride(1), cb.stride(0),
                 T=T, DK=dk, DV=dv, BT=_tile(T), SB=block, BK=_tile(dk), BV=_tile(dv),
                 NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), PREC=prec, ROOT=int(root), DC=DC, LD=LD,
-                REP=rep, KD=kd, W=width, num_warps=4)
+                REP=rep, KD=kd, W=width, PDL=int(pdl), num_warps=4)
         else:
             q, k, v, g, beta = gdn_prologue(layer, proj, ext, window)
         _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)[(H, triton.cdiv(dv, BV))](
@@ -615,7 +627,7 @@ def gdn_tree_diag(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Te
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), LD=LD,
-            CROSS=1, DC=DC, num_warps=warps,
+            CROSS=1, DC=DC, PDL=int(pdl), num_warps=warps, **({"launch_pdl": True} if pdl else {}),
         )
     return o
 
