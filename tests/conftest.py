@@ -8,14 +8,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# The test models are tiny, and CI runs a pytest process per core (-n 2 on 2 cores): one thread
+# each for torch's and numpy's BLAS (Triton's interpreter computes in numpy), set before either
+# starts its thread pool. With a thread per core the two processes' threads spin against each
+# other: the whole suite took 691 s on a 2-core machine, 564 s on one thread.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU, Triton kernels (ddtree.ops.*) run under Triton's interpreter on CPU tensors;
 # the interpreter must be chosen before triton is first imported (its own library functions are
 # decorated at import). With a GPU the kernels are compiled and tested on it.
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(1)  # (where a plugin imported torch first)
 
 REPO = Path(__file__).resolve().parents[1]
 # ../shared/fixtures/codepair, or DDTREE_FIXTURE (a copy anywhere else)
