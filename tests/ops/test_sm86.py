@@ -130,8 +130,9 @@ def _gdn_launches(tc: TargetConfig, props, dtype=torch.bfloat16):
         layer = GatedDeltaNet(tc).to(dtype)
     # the group holds the scratch and states the layer's kernels read (every GDN layer on one GPU)
     group = GDNGroup([layer] * tc.layer_types.count("linear_attention"), META, dtype, max(TREES))
-    settings = [Options(tree_kernel=m, tree_precision=p, tree_prologue=n)
-                for m, p, n in itertools.product(("auto", "on"), ("tf32x3", "ieee"), (0, 16, gdn_tree.MAX_NODES))]
+    settings = [Options(tree_kernel=m, tree_precision=p, tree_prologue=n, tree_diag=d)
+                for m, p, n, d in itertools.product(("auto", "on"), ("tf32x3", "ieee"), (0, 16, gdn_tree.MAX_NODES),
+                                                    (0, gdn_tree.MAX_NODES))]
     for T in TREES:
         x = torch.empty(T, tc.hidden_size, dtype=dtype, device=META)
         z = torch.zeros(T, dtype=torch.long, device=META)
