@@ -13,10 +13,8 @@
    gdn_tree_blocked (`blocked`: its rule's block, root and tiles; `blocked chunk<C>`: its first
    pass's key products in chunks of C channels; `blocked<B>`: blocks of B nodes
    of --blocks, `root`: with the root folded into the state first, at its tiles and at each of
-   --tiles); `blocked prologue` (gdn_tree.gdn_prologue from the projection, then
-   gdn_tree_blocked: three launches; less the projection's time) and `diag prologue`
-   (gdn_tree.gdn_tree_diag: the prologue inside the first pass, two launches; the engine's path
-   past one tile up to DDTREE_TREE_DIAG nodes; `pdl`: the second as a programmatic dependent launch)
+   --tiles); and `blocked prologue` (the engine's path past one tile: gdn_tree.gdn_prologue from
+   the projection, then gdn_tree_blocked; less the projection's time)
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -151,16 +149,6 @@ def blocked_prologue_path(layer, x, step, S0, mask, scratch, prec):
     return run
 
 
-def diag_prologue_path(layer, x, step, S0, mask, scratch, prec, pdl: bool = False):
-    """The blocked path in two launches, from the projection: the prologue inside the first pass
-    (gdn_tree.gdn_tree_diag; pdl: the second pass as a programmatic dependent launch). -> a
-    function of no arguments running it."""
-    def run():
-        pj, ex = layer.project(x)
-        return gdn_tree.gdn_tree_diag(layer, pj, ex, step.window, S0, mask, scratch, prec, pdl=pdl)
-    return run
-
-
 def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save) -> None:
     """The engine's GDN paths of a verify from the layer's projection, less the projection's time:
     `blocked prologue` (gdn_prologue, then gdn_tree_blocked: three launches) against the one-tile
@@ -173,14 +161,13 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
         mask, step, x, _, scratch, S0, ref = tree_case(model, layer, tc, T)
         proj_ms = graph_ms(lambda: layer.project(x))
         blocked = blocked_prologue_path(layer, x, step, S0, mask, scratch, prec)
-        diag = diag_prologue_path(layer, x, step, S0, mask, scratch, prec)
 
         def one(t=None):
             pj, ex = layer.project(x)
             return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
         row = dict(T=T, default_tiles=gdn_tree.launch_tiles(gdn_tree.tile_nodes(T), layer.dv, prologue=True), paths={})
-        for name, fn in [("blocked prologue", blocked), ("diag prologue", diag), ("one", one)] + [
+        for name, fn in [("blocked prologue", blocked), ("one", one)] + [
                 (f"one BV{t[0]} w{t[1]}", lambda t=t: one(t)) for t in tiles]:
             try:
                 o = fn()
@@ -221,10 +208,8 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
             return gdn_tree.gdn_tree_prologue(layer, pj, ex, step.window, S0, mask, scratch, prec, tiles=t)
 
         blocked_prologue = blocked_prologue_path(layer, x, step, S0, mask, scratch, prec)
-        diag_prologue = diag_prologue_path(layer, x, step, S0, mask, scratch, prec)
-        diag_pdl = diag_prologue_path(layer, x, step, S0, mask, scratch, prec, pdl=True)
 
-        with_proj = {blocked_prologue, diag_prologue, diag_pdl}
+        with_proj = {blocked_prologue}
         proj_ms = graph_ms(lambda: layer.project(x))
         n = gdn_tree.tile_nodes(T)
         tiles_of = {p: gdn_tree.launch_tiles(n, layer.dv, prologue=p == "prologue") for p in ("kernel", "prologue")}
@@ -249,8 +234,6 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
                          ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked prologue", blocked_prologue),
-                         ("diag prologue", diag_prologue),
-                         ("diag prologue pdl", diag_pdl),
                          *((f"blocked chunk{c}", lambda c=c: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, chunk=c)) for c in chunks),
                          *((f"blocked{b} root" if r else f"blocked{b}", lambda b=b, r=r: gdn_tree.gdn_tree_blocked(

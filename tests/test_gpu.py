@@ -230,8 +230,7 @@ def test_tree_verify_at_27b_shapes_equals_tree_wy(precision):
     value heads of 128 over 16 key heads), float32, random trees of 16 / 17 / 33 / 65 nodes: the
     one-tile kernel with its prologue (16 nodes; 17 with the root folded into the state first) and
     the path past one tile (the prologue kernel + the two-pass blocked kernel, its rule's blocks and
-    root fold; and in two launches, the prologue inside the first pass, with and without a
-    programmatic dependent launch): outputs and commit scratch."""
+    root fold): outputs and commit scratch."""
     from helpers import assert_rel
 
     from ddtree.model.presets import qwen36_27b_config
@@ -271,9 +270,6 @@ def test_tree_verify_at_27b_shapes_equals_tree_wy(precision):
         if T >= 17:
             paths["blocked"] = lambda out: gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, s.window),
                                                                      layer.rec_state, mask, out, precision)
-            for pdl in (False, True):  # (pdl: the second pass as a programmatic dependent launch on Hopper)
-                paths[f"diag pdl={pdl}"] = lambda out, pdl=pdl: gdn_tree.gdn_tree_diag(
-                    layer, proj, ext, s.window, layer.rec_state, mask, out, precision, pdl=pdl)
         for name, run in paths.items():
             got = scratch()
             assert_rel(run(got), o_ref, tol, f"{name} vs tree_wy T={T}")

@@ -363,8 +363,6 @@ def tree_mixer(layer: GatedDeltaNet, proj: torch.Tensor, ext: torch.Tensor, wind
     T = proj.shape[0]
     if kn.tree(T, layer.dk):
         o = gdn_tree.gdn_tree_prologue(layer, proj, ext, window, layer.rec_state, path_mask, scratch, kn.tree_precision)
-    elif kn.diag(T, layer.dk):  # two launches: the prologue inside the blocks' first pass
-        o = gdn_tree.gdn_tree_diag(layer, proj, ext, window, layer.rec_state, path_mask, scratch, kn.tree_precision)
     else:
         o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, window), layer.rec_state, path_mask,
                                       scratch, kn.tree_precision)

@@ -58,7 +58,6 @@ class Kernels:
     tree_precision: str = "ieee"
     tree_prologue: int = 0  # the GDN prologue in Triton for T <= this: inside the one-tile kernel, or one kernel ahead of the blocks
     tree_blocked: int = 0  # trees past that kernel's sizes, up to this many nodes: gdn_tree_blocked
-    tree_diag: int = 0  # trees past the one-tile kernel up to this many nodes with the prologue in the first pass: gdn_tree_diag
     attention: str = "sdpa"  # "kernel" (split-KV, ddtree.ops.attention) or "sdpa" (dense mask)
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
     prefill_attention: str = "auto"  # ddtree.ops.attention.prefill_attention's backend (auto: math on CPU)
@@ -82,11 +81,6 @@ class Kernels:
         """The 16-node-block tree kernel (for trees the one-tile kernel does not take)?"""
         return 1 < T <= self.tree_blocked and not self.tree(T, dk)
 
-    def diag(self, T: int, dk: int) -> bool:
-        """The blocked tree kernel in two launches, the prologue inside its first pass
-        (gdn_tree.gdn_tree_diag; only with the Triton prologue)?"""
-        return T <= self.tree_diag and self.blocked(T, dk) and self.prologue(T, dk)
-
 
 REFERENCE = Kernels()  # every op on its torch twin
 
@@ -108,7 +102,6 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
         tree_precision=triton_util.dot_precision(options.tree_precision, a),
         tree_prologue=options.tree_prologue if tri else 0,
         tree_blocked=TREE_BLOCKED_MAX_NODES if tri and options.tree_kernel != "off" else 0,
-        tree_diag=min(options.tree_diag, TREE_BLOCKED_MAX_NODES) if tri and options.tree_kernel != "off" else 0,
         attention=attention,
         fla=options.fla and dev.type == "cuda",
         prefill_attention=options.prefill_attention if dev.type == "cuda" else "auto",

@@ -20,9 +20,6 @@ from ddtree.ops.eager import eager
 from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, tl, triton
 from ddtree.ops.triton_util import tile as _tile
 
-if triton is not None:  # programmatic dependent launch's wait and trigger (Hopper; gdn_tree_diag's pdl)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 MAX_NODES = 128  # one program holds a whole tree: [T, T] tiles
 HEAD_BLOCK = 64  # gdn_tree_blocked's blocks of this many nodes or more: the first pass a program per head
 
@@ -366,82 +363,12 @@ def _gdn_tree_mats_head_kernel(
     tl.store(wm + at, tl.where(same, E, A), mask=mrr)
 
 
-def _gdn_tree_diag_kernel(
-    ext, window, conv_w, proj, neg_a, dt_bias, q, k, v, g, beta, mask, wm, pm, kbuf, cbuf,
-    s_pt, C, HV, s_qt, s_qh, s_vt, s_vh, s_gt, s_kbh, s_kbt, s_cbh,
-    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr, LD: tl.constexpr,
-    REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr, PDL: tl.constexpr,
-):
-    # The blocked recurrence's first pass with the prologue inside, one program per (block b of SB
-    # nodes, value head): block b's q, k, v and gates from the projection (as _gdn_prologue_kernel,
-    # written for the second pass), its path sums, and only its diagonal matrices (wm[b, b] = (I +
-    # A[b, b])^-1, pm[b, b]); the cross terms against earlier blocks, which need their k, are left
-    # to the second pass (_gdn_tree_solve_kernel's CROSS). So no program waits on another's rows
-    # and the prologue needs no launch of its own. Block 0's program also writes the root's row.
-    # PDL: the second pass is launched as this one's programmatic dependent (Hopper): its programs
-    # may start now, and load the state before they wait for this grid (gdc_wait).
-    if PDL:
-        gdc_launch_dependents()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    f32 = tl.float32
-    zb = C + HV * DV  # the projection's b, a columns come after qkv and z
-    oa = tl.arange(0, BT)  # every node: the path mask's columns
-    ma = oa < T
-    g_all, _ = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, oa, ma)  # [BT]: every node's gate
-    os_ = tl.arange(0, SB)
-    ok = tl.arange(0, BK)
-    ov = tl.arange(0, BV)
-    mk, mv = ok < DK, ov < DV
-    cq = h // REP * DK + ok  # conv channels of q, k (of this value head's key head) and v
-    cv = 2 * KD + h * DV + ov
-    rb = ROOT + b * SB + os_
-    mb = rb < T
-    if ROOT:  # the root's row (block 0's program writes it): 2 rows with the second masked off
-        r0 = tl.arange(0, 2)
-        m0 = (r0 < 1) & (b == 0)
-        Q0, K0, V0 = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, cv, r0, m0, mk, mv, DK, W)
-        g0, b0 = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, r0, m0)
-        m0k = m0[:, None] & mk[None, :]
-        tl.store(q + r0[:, None] * s_qt + h * s_qh + ok[None, :], Q0, mask=m0k)
-        tl.store(k + r0[:, None] * s_qt + h * s_qh + ok[None, :], K0, mask=m0k)
-        tl.store(v + r0[:, None] * s_vt + h * s_vh + ov[None, :], V0, mask=m0[:, None] & mv[None, :])
-        tl.store(g + r0 * s_gt + h, g0, mask=m0)
-        tl.store(beta + r0 * s_gt + h, b0, mask=m0)
-    Q, K, V = _qkv_rows(ext, window, conv_w, C, cq, KD + cq, cv, rb, mb, mk, mv, DK, W)
-    gg, bb = _gate_rows(proj, neg_a, dt_bias, s_pt, zb, HV, h, rb, mb)
-    mbk = mb[:, None] & mk[None, :]
-    tl.store(q + rb[:, None] * s_qt + h * s_qh + ok[None, :], Q, mask=mbk)
-    tl.store(k + rb[:, None] * s_qt + h * s_qh + ok[None, :], K, mask=mbk)  # (k is shaped and strided as q)
-    tl.store(v + rb[:, None] * s_vt + h * s_vh + ov[None, :], V, mask=mb[:, None] & mv[None, :])
-    tl.store(g + rb * s_gt + h, gg, mask=mb)
-    tl.store(beta + rb * s_gt + h, bb, mask=mb)
-    tl.store(kbuf + h * s_kbh + rb[:, None] * s_kbt + ok[None, :], K, mask=mbk)
-    on_b = tl.load(mask + rb[:, None] * T + oa[None, :], mask=mb[:, None] & ma[None, :], other=0) != 0  # [SB, BT]
-    c_b = tl.sum(tl.where(on_b, g_all[None, :], 0.0), 1)  # [SB]: summed log-decay along each path
-    tl.store(cbuf + h * s_cbh + rb, c_b, mask=mb)
-    tl.debug_barrier()  # q, k rows written: the key products read them back in chunks (_kdot)
-    on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
-    dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))  # masked before exp
-    kh, qh = k + h * s_qh, q + h * s_qh
-    kk = _kdot(kh, s_qt, mb, kh, s_qt, mb, rb, rb, DK, BK, DC, PREC)
-    qk = _kdot(qh, s_qt, mb, kh, s_qt, mb, rb, rb, DK, BK, DC, PREC)
-    A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * kk, 0.0)
-    E = _squarings(A, tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A, NSQ, PREC)  # (I + A)^-1
-    at = h * LD * LD + (rb - ROOT)[:, None] * LD + (rb - ROOT)[None, :]
-    mbb = mb[:, None] & mb[None, :]
-    tl.store(wm + at, E, mask=mbb)
-    tl.store(pm + at, dec * qk, mask=mbb)
-
-
 def _gdn_tree_solve_kernel(
-    q, k, v, g, beta, S0, wm, pm, mask, o, kbuf, ubuf, cbuf,
+    q, k, v, g, beta, S0, wm, pm, o, kbuf, ubuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SB: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr,
-    CROSS: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr,
 ):
     # The blocked recurrence's second pass, one program per (value head, block of BV value
     # channels), the blocks in order (ancestors come first): U[b] = wm[b, b] (R[b] - sum_c<b
@@ -451,9 +378,6 @@ def _gdn_tree_solve_kernel(
     # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
     # first, S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative
     # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks.
-    # CROSS: the first pass wrote only the diagonal blocks (_gdn_tree_diag_kernel); the cross
-    # terms wm[b, c], pm[b, c] come here from the k, q and c rows, their key products in chunks of
-    # DC channels (_kdot), as _gdn_tree_mats_kernel computes them.
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0
@@ -464,8 +388,6 @@ def _gdn_tree_solve_kernel(
     ov = vb * BV + tl.arange(0, BV)
     mk, mv = ok < DK, ov < DV
     S = tl.load(S0 + h * DK * DV + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    if PDL:  # launched as the first pass's programmatic dependent: everything below reads its output
-        gdc_wait()
     c0 = 0.0
     if ROOT:
         c0 = tl.load(g + h * s_gh).to(f32)
@@ -492,19 +414,9 @@ def _gdn_tree_solve_kernel(
         for c in range(b):  # the earlier blocks' solved U
             rc = ROOT + c * SB + os_
             Uc = tl.load(ubuf + h * s_ubh + rc[:, None] * s_ubt + ov[None, :], mask=mv[None, :], other=0.0)
-            if CROSS:
-                c_c = tl.load(cbuf + h * s_cbh + rc)  # (an earlier block is whole)
-                on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
-                dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
-                kh = k + h * s_kh
-                Wbc = bb[:, None] * dec * _kdot(kh, s_kt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
-                Pbc = dec * _kdot(q + h * s_qh, s_qt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
-            else:
-                at = base + (rb - ROOT)[:, None] * LD + (rc - ROOT)[None, :]
-                Wbc = tl.load(wm + at, mask=mb[:, None], other=0.0)
-                Pbc = tl.load(pm + at, mask=mb[:, None], other=0.0)
-            R -= tl.dot(Wbc, Uc, input_precision=PREC)
-            O += tl.dot(Pbc, Uc, input_precision=PREC)
+            at = base + (rb - ROOT)[:, None] * LD + (rc - ROOT)[None, :]
+            R -= tl.dot(tl.load(wm + at, mask=mb[:, None], other=0.0), Uc, input_precision=PREC)
+            O += tl.dot(tl.load(pm + at, mask=mb[:, None], other=0.0), Uc, input_precision=PREC)
         at = base + (rb - ROOT)[:, None] * LD + (rb - ROOT)[None, :]
         mbb = mb[:, None] & mb[None, :]
         U = tl.dot(tl.load(wm + at, mask=mbb, other=0.0), R, input_precision=PREC)
@@ -552,11 +464,10 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
             _kernel(_gdn_tree_mats_kernel, interpret=not S0.is_cuda)[(triton.cdiv(T - root, block), H)](
                 *mat_args, BT=_tile(T), DC=min(chunk, _tile(dk)), **consts)  # (BT: the path mask's columns)
         solve[(H, triton.cdiv(dv, BV))](
-            q, k, v, g, beta, S0, wm, pm, mask, o, kb, ub, cb,
+            q, k, v, g, beta, S0, wm, pm, o, kb, ub, cb,
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), LD=LD,
-            CROSS=0, DC=min(chunk, _tile(dk)), PDL=0, num_warps=warps,
+            T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), LD=LD, num_warps=warps,
         )
     return o
 
@@ -580,56 +491,6 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
             T=T, DK=layer.dk, DV=layer.dv, BR=16, BK=_tile(layer.dk), BV=_tile(layer.dv), REP=rep, KD=kd, W=width,
         )
     return q, k, v, g, beta
-
-
-@eager
-def gdn_tree_diag(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
-                  precision: str = "ieee", tiles=None, root: bool | None = None, chunk: int | None = None,
-                  pdl: bool = False):
-    """gdn_prologue + gdn_tree_blocked in two launches instead of three, in 16-node blocks: the
-    first pass takes the prologue inside and writes each block's diagonal matrices
-    (_gdn_tree_diag_kernel), the second takes the cross terms between blocks on the fly
-    (_gdn_tree_solve_kernel's CROSS). Arguments as gdn_tree_prologue's; root as gdn_tree_blocked's
-    (None: fold_root's rule); chunk: both passes' key products in chunks of this many channels;
-    pdl: the second pass as the first's programmatic dependent launch (CUDA on Hopper and later).
-    -> o [T, hv, dv] fp32, `out` written as gdn_tree writes it. Twin: qkvgb + gdn.tree_wy
-    (tests/ops/test_gdn_kernels.py)."""
-    T, dev = proj.shape[0], proj.device
-    H, dk, dv, block = layer.hv, layer.dk, layer.dv, 16
-    ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
-    q, k = (torch.empty(T, H, dk, dtype=torch.float32, device=dev) for _ in range(2))
-    v = torch.empty(T, H, dv, dtype=torch.float32, device=dev)
-    g, beta = (torch.empty(T, H, dtype=torch.float32, device=dev) for _ in range(2))
-    mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
-    kb, ub, cb = out
-    a = triton_util.arch(S0.device)
-    root = fold_root(T, block) if root is None else bool(root)
-    pdl = pdl and T > root and a is not None and a.major >= 9  # (griddepcontrol: sm_90 and later)
-    BV, warps = tiles or blocked_tiles(block, dv)
-    prec = triton_util.dot_precision(precision, a)
-    LD = max(16, -(-(T - root) // 16) * 16)  # as gdn_tree_blocked's
-    wm, pm = (torch.empty(H, LD, LD, dtype=torch.float32, device=dev) for _ in range(2))
-    DC = min(MATS_CHUNK if chunk is None else chunk, _tile(dk))
-    strides = _input_strides(q, k, v, g, beta)
-    with _on_device_of(S0):
-        if T > root:  # (T == root: the root alone, nothing to solve; its row comes from the first pass)
-            _kernel(_gdn_tree_diag_kernel, interpret=not S0.is_cuda)[(triton.cdiv(T - root, block), H)](
-                ext_, window_, w, proj_, neg_a, dt_bias, q, k, v, g, beta, mask, wm, pm, kb, cb,
-                s_pt, C, hv, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
-                kb.stride(0), kb.stride(1), cb.stride(0),
-                T=T, DK=dk, DV=dv, BT=_tile(T), SB=block, BK=_tile(dk), BV=_tile(dv),
-                NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), PREC=prec, ROOT=int(root), DC=DC, LD=LD,
-                REP=rep, KD=kd, W=width, PDL=int(pdl), num_warps=4)
-        else:
-            q, k, v, g, beta = gdn_prologue(layer, proj, ext, window)
-        _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)[(H, triton.cdiv(dv, BV))](
-            q, k, v, g, beta, S0, wm, pm, mask, o, kb, ub, cb,
-            *strides, o.stride(0), o.stride(1),
-            kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
-            T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), LD=LD,
-            CROSS=1, DC=DC, PDL=int(pdl), num_warps=warps, **({"launch_pdl": True} if pdl else {}),
-        )
-    return o
 
 
 # The first pass by blocks: its key products in chunks of this many channels. An H100 measured the
@@ -778,10 +639,9 @@ if triton is not None:
     _root_row, _root_step = triton.jit(_root_row), triton.jit(_root_step)  # of the one-tile kernel, of the solve
     _root_terms = triton.jit(_root_terms)  # of the one-tile kernel
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
-    _kdot = triton.jit(_kdot)  # of the first passes by blocks and the second pass's cross terms
+    _kdot = triton.jit(_kdot)  # of the first pass by blocks
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
     _kernel(_gdn_tree_mats_head_kernel, interpret=False)
     _kernel(_gdn_tree_solve_kernel, interpret=False)
-    _kernel(_gdn_tree_diag_kernel, interpret=False)
     _kernel(_gdn_prologue_kernel, interpret=False)

@@ -235,47 +235,6 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
         ERR.note("tree prologue mixer", assert_rel(layer._tree_fused(x, s), want, 1e-5, f"T={T}"))
 
 
-# (T, root, chunk) of the two-launch blocked path: its rule's root (17 / 33: folded), one block, two
-# (a chain across the block edge at 32), a partial second block, three and four blocks (50 folds
-# nothing, 65 its root); the rule overridden both ways; key products in chunks of 16 channels.
-DIAG_CASES = [(2, None, None), (17, None, None), (17, False, None), (20, None, None), (32, None, None),
-              (32, True, None), (33, None, 16), (50, None, None), (65, None, None)]
-
-
-@pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_diag_kernel_matches_torch_prologue(monkeypatch, cfg):
-    """The blocked verify in two launches (gdn_tree.gdn_tree_diag: the prologue inside the first
-    pass, which writes only the diagonal blocks; the cross terms between blocks in the second)
-    against qkvgb + tree_wy on random trees and conv states: outputs and commit scratch, every
-    element written; and the whole mixer through the engine's dispatch at a size it takes there."""
-    import dataclasses
-
-    from ddtree.ops.dispatch import resolve
-
-    model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
-    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
-    g_ = torch.Generator().manual_seed(8)
-    for T, root, chunk in DIAG_CASES:
-        mask, x, s = _random_tree_step(model, layer, T, g_, "chain" if T == 32 else "random")
-        q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
-        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
-        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
-        got = [torch.full_like(t, float("nan")) for t in scratch]  # what is not written shows up
-        o = gdn_tree.gdn_tree_diag(layer, layer.in_proj(x), ext.clone(), s.window, layer.rec_state, mask, got,
-                                   root=root, chunk=chunk)
-        ERR.note("diag", assert_rel(o, o_ref, 1e-5, f"T={T} root={root} chunk={chunk}"))
-        for a, b in zip(got, scratch):
-            ERR.note("diag scratch", assert_rel(a, b, 1e-5, f"T={T} root={root} chunk={chunk}"))
-    fast = resolve(FAST.replace(tree_kernel="on", tree_prologue=65, tree_diag=65), DEV)
-    fast = dataclasses.replace(fast, tree_max_nodes=16)  # 20 nodes past the one-tile kernel, as on a GPU at dk 128
-    mask, x, s = _random_tree_step(model, layer, 20, g_)
-    calls, real = [], gdn_tree.gdn_tree_diag
-    monkeypatch.setattr(gdn_tree, "gdn_tree_diag", lambda *a: calls.append(a[1].shape[0]) or real(*a))  # a spy
-    got = layer._tree_fused(x, dataclasses.replace(s, kernels=fast))
-    assert calls == [20] and fast.diag(65, layer.dk) and not fast.diag(66, layer.dk)
-    ERR.note("diag mixer", assert_rel(got, layer.forward(x, s), 1e-5, "T=20"))
-
-
 @pytest.mark.parametrize("T,hv,dv", [(1, 2, 16), (17, 48, 128), (33, 6, 24), (65, 3, 100)])
 def test_gated_norm_kernel_matches_gated_rms_norm(T, hv, dv):
     """The verify's gated norm kernel (ddtree.ops.gated_norm) against GatedRMSNorm on random

@@ -130,9 +130,8 @@ def _gdn_launches(tc: TargetConfig, props, dtype=torch.bfloat16):
         layer = GatedDeltaNet(tc).to(dtype)
     # the group holds the scratch and states the layer's kernels read (every GDN layer on one GPU)
     group = GDNGroup([layer] * tc.layer_types.count("linear_attention"), META, dtype, max(TREES))
-    settings = [Options(tree_kernel=m, tree_precision=p, tree_prologue=n, tree_diag=d)
-                for m, p, n, d in itertools.product(("auto", "on"), ("tf32x3", "ieee"), (0, 16, gdn_tree.MAX_NODES),
-                                                    (0, gdn_tree.MAX_NODES))]
+    settings = [Options(tree_kernel=m, tree_precision=p, tree_prologue=n)
+                for m, p, n in itertools.product(("auto", "on"), ("tf32x3", "ieee"), (0, 16, gdn_tree.MAX_NODES))]
     for T in TREES:
         x = torch.empty(T, tc.hidden_size, dtype=dtype, device=META)
         z = torch.zeros(T, dtype=torch.long, device=META)
@@ -304,11 +303,11 @@ def distinct(launches: list[Launch], cc: int) -> list[dict]:
 # arguments' alignment specialisation, which does move shared memory (the attention kernel:
 # 28 vs 32 KB for the same tiles).
 SCALARS = {"_tree_kernel": ("B", "K", "KBV", "D"), "_walk_kernel": ("T", "P", "PK"), "_gdn_tree_kernel": ("T",),
-           "_gdn_tree_mats_kernel": ("T",), "_gdn_tree_solve_kernel": ("T",), "_gdn_tree_diag_kernel": ("T",),
+           "_gdn_tree_mats_kernel": ("T",), "_gdn_tree_solve_kernel": ("T",),
            "_gdn_prologue_kernel": ("T",), "_kv_commit_kernel": ("P",)}
 EXHAUSTIVE = os.environ.get("DDTREE_SM86_ALL") == "1"
 KERNELS = {"_gdn_step_kernel": "gdn", "_gdn_tree_kernel": "gdn",
-           "_gdn_tree_mats_kernel": "gdn", "_gdn_tree_solve_kernel": "gdn", "_gdn_tree_diag_kernel": "gdn",  # (_gdn_tree_mats_head_kernel: Hopper only, gdn_tree.block_nodes)
+           "_gdn_tree_mats_kernel": "gdn", "_gdn_tree_solve_kernel": "gdn",  # (_gdn_tree_mats_head_kernel: Hopper only, gdn_tree.block_nodes)
            "_gdn_prologue_kernel": "gdn", "_gated_norm_kernel": "gdn", "_gdn_commit_kernel": "gdn", "_conv_commit_kernel": "gdn", "_kv_commit_kernel": "kv", "_tree_kernel": "tree",
            "_walk_kernel": "walk", "_attn_fwd_kernel": "attention", "_attn_merge_kernel": "attention"}  # kernel -> the launches that make it
 MISSING = {"gdn": TARGET_MISSING, "attention": ATTENTION_MISSING}  # a family that cannot be recorded, and why
@@ -461,7 +460,6 @@ def _old_resolve(options: Options) -> dispatch.Kernels:
         tree_tile=dispatch.TREE_TILE if options.tree_kernel == "auto" else 1 << 30,
         tree_precision=options.tree_precision, tree_prologue=options.tree_prologue if options.triton else 0,
         tree_blocked=dispatch.TREE_BLOCKED_MAX_NODES if options.triton and options.tree_kernel != "off" else 0,
-        tree_diag=min(options.tree_diag, dispatch.TREE_BLOCKED_MAX_NODES) if options.triton and options.tree_kernel != "off" else 0,
         attention=dispatch._attention(options, options.triton), fla=options.fla)
 
 
