@@ -11,7 +11,7 @@ from pathlib import Path
 # The test models are tiny, and CI runs a pytest process per core (-n 2 on 2 cores): one thread
 # each for torch's and numpy's BLAS (Triton's interpreter computes in numpy), set before either
 # starts its thread pool. With a thread per core the two processes' threads spin against each
-# other: the whole suite took 691 s on a 2-core machine, 564 s on one thread.
+# other: the whole suite took 691 s on a 2-core machine, 583 s on one thread.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
