@@ -98,7 +98,7 @@ def planned_components(cfg, dcfg, split, wl) -> dict[str, dict[str, int]]:
         c = out.setdefault(g, dict.fromkeys(EXACT, 0))
         kinds = cfg.layer_types[s.start:s.end]
         c["target weights"] += sum(mem.layer_weight_bytes(cfg, k, dt) for k in kinds)
-        c["derived fp32"] += sum(mem.layer_prepared_bytes(cfg, k) for k in kinds)
+        c["derived fp32"] += sum(mem.layer_prepared_bytes(cfg, k, dt) for k in kinds)
         n_attn = kinds.count("full_attention")
         c["target state"] += mem.kv_cache_bytes(cfg, n_attn, wl.max_len, dt) + sum(
             mem.gdn_group_bytes(cfg, len(kinds) - n_attn, dt, wl.tree_capacity).values())

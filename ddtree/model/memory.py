@@ -107,15 +107,19 @@ def drafter_weight_bytes(d: DrafterConfig, dtype) -> int:
 # Constants prepare() derives from the weights (fp32 copies kept beside them; the fused projection
 # weights are views, so they cost nothing). Exact.
 
-def layer_prepared_bytes(cfg: TargetConfig, kind: str) -> int:
+def layer_prepared_bytes(cfg: TargetConfig, kind: str, dtype) -> int:
     """(1 + w) in fp32 for every x * (1 + w) RMSNorm (Qwen3.5: the layer's two [H], attention's
-    q_norm / k_norm [hd]); a GDN layer's conv weight as fp32 [w, C] and -exp(A_log) fp32 [hv]."""
+    q_norm / k_norm [hd]); a GDN layer's conv weight as fp32 [w, C], -exp(A_log) fp32 [hv], and
+    the conv weight [w, C] contiguous in the model dtype `dtype` (in float32 the fp32 copy itself)."""
     n = 0
     if cfg.norm_plus_one:
         n += 2 * cfg.hidden_size + (2 * cfg.head_dim if kind == ATTN else 0)
+    extra = 0
     if kind == GDN:
         n += cfg.conv_kernel * cfg.gdn_conv_dim + cfg.gdn_num_v_heads
-    return n * F32
+        if dtype_bytes(dtype) != F32:
+            extra = cfg.conv_kernel * cfg.gdn_conv_dim * dtype_bytes(dtype)
+    return n * F32 + extra
 
 
 def head_prepared_bytes(cfg: TargetConfig) -> int:

@@ -88,7 +88,7 @@ def _layers(cfg: TargetConfig, wl: Workload) -> _Layers:
         parts["GDN"].append(n["mixer"] * dt if k == mem.GDN else 0)
         parts["attention"].append(n["mixer"] * dt if k == mem.ATTN else 0)
         parts["MLP"].append(n["mlp"] * dt)
-        parts["norms"].append(n["norms"] * dt + mem.layer_prepared_bytes(cfg, k))
+        parts["norms"].append(n["norms"] * dt + mem.layer_prepared_bytes(cfg, k, wl.dtype))
     read = [mem.layer_read_bytes(cfg, k, wl.max_len, wl.dtype) for k in cfg.layer_types]
     attn = [int(k == mem.ATTN) for k in cfg.layer_types]
     return _Layers(list(cfg.layer_types), {p: _prefix(v) for p, v in parts.items()}, _prefix(read), _prefix(attn))

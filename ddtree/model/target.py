@@ -153,11 +153,13 @@ class GatedDeltaNet(nn.Module):
         self.wy_bufs = self.ext_buf = None  # this layer's views of the group's scratch
 
     def _consts(self):
-        """Per-layer constants computed once: conv weight as fp32 [width, C], -exp(A_log) fp32."""
+        """Per-layer constants computed once: conv weight as fp32 [width, C], -exp(A_log) fp32, and
+        the conv weight [width, C] in the model dtype (the tree prologues' loads: as the conv
+        inputs' dtype, both take one register layout, so no conversion between them)."""
         c = self.__dict__.get("_c")
         if c is None or c[0].device != self.A_log.device:
-            c = self.__dict__["_c"] = (self.conv1d.weight[:, 0, :].t().float().contiguous(),
-                                       -self.A_log.float().exp())
+            w = self.conv1d.weight[:, 0, :].t().contiguous()
+            c = self.__dict__["_c"] = (w.float(), -self.A_log.float().exp(), w)
         return c
 
     def in_proj(self, x: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,7 @@ def gdn_step(layer, proj: torch.Tensor) -> torch.Tensor:
     proj: [N] the fused input projection's row (qkv [C], z [hv*dv], b [hv], a [hv]) in the model
     dtype. Writes ext rows 0..width-1 and the layer's k/U/c scratch at node 0. -> [hv*dv]."""
     hv, dk, dv, C = layer.hv, layer.dk, layer.dv, layer.conv_dim
-    w, neg_a = layer._consts()
+    w, neg_a, _ = layer._consts()
     out = torch.empty(hv * dv, dtype=proj.dtype, device=proj.device)
     kb, ub, cb = layer.wy_bufs  # [hv, cap, dk], [hv, cap, dv], [hv, cap]
     assert kb.stride(-1) == ub.stride(-1) == 1 and proj.stride(-1) == 1

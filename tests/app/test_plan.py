@@ -58,7 +58,7 @@ def test_weights_of_the_27b_pair():
     """53.33 GiB of weights (50.10 target + 3.22 drafter), whatever the split."""
     plan = qplan("2x48GiB", 4096, "fused", search=False)
     weights = sum(r[k] for r in plan.split.gpus.values() for k in WEIGHT_ROWS)
-    fp32_copies = sum(mem.layer_prepared_bytes(T, k) for k in T.layer_types) + mem.head_prepared_bytes(T)
+    fp32_copies = sum(mem.layer_prepared_bytes(T, k, "bfloat16") for k in T.layer_types) + mem.head_prepared_bytes(T)
     assert weights == mem.target_weight_bytes(T, "bfloat16") + mem.drafter_weight_bytes(D, "bfloat16") + fp32_copies
     assert round(weights / GiB, 2) == 53.33
 

@@ -110,7 +110,7 @@ def test_planned_bytes_equal_allocated_bytes(kind, dtype, max_len):
     # fused projection weights are views of the parameters' storages: only the fp32 constants are new
     param_storages = {p.untyped_storage()._cdata for p in params}
     new = [t for t in derived if t.untyped_storage()._cdata not in param_storages]
-    assert _storage_bytes(new).get("cpu", 0) == (sum(mem.layer_prepared_bytes(cfg, k) for k in cfg.layer_types)
+    assert _storage_bytes(new).get("cpu", 0) == (sum(mem.layer_prepared_bytes(cfg, k, dtype) for k in cfg.layer_types)
                                                   + mem.head_prepared_bytes(cfg))
     n_attn = cfg.layer_types.count("full_attention")
     g = mem.gdn_group_bytes(cfg, cfg.num_layers - n_attn, dtype, 256)

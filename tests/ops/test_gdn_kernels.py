@@ -307,6 +307,30 @@ def test_prologue_kernel_matches_qkvgb(cfg):
         ERR.note("prologue kernel mixer", assert_rel(layer._tree_fused(x, fused), layer.forward(x, s), 1e-5, f"T={T}"))
 
 
+@pytest.mark.parametrize("width", [3, 4])
+def test_prologue_kernels_at_any_conv_width(width):
+    """Both prologues (the blocked path's kernel and the one tile's) against qkvgb + tree_wy with
+    a conv window of `width` taps: _conv_rows sums v's taps as a tensor padded to a power of two
+    (width 3: one masked tap), q's and k's tap by tap; float32, random trees of 3 and 17 nodes."""
+    cfg = tiny_hybrid_config()
+    cfg["text_config"]["linear_conv_kernel_dim"] = width
+    model = build_random_target(cfg, seed=2, device=DEV)
+    layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
+    assert layer.width == width
+    g_ = torch.Generator().manual_seed(8)
+    for T in (3, 17):
+        mask, x, s = _random_tree_step(model, layer, T, g_)
+        q, k, v, g, beta, _, ext = layer.qkvgb(x, s)
+        proj = layer.in_proj(x)
+        for name, a, b in zip("q k v g beta".split(), gdn_tree.gdn_prologue(layer, proj, ext.clone(), s.window),
+                              (q, k, v, g, beta)):
+            ERR.note("prologue kernel", assert_rel(a, b.float(), 1e-5, f"{name} width={width} T={T}"))
+        scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
+        o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
+        o = gdn_tree.gdn_tree_prologue(layer, proj, ext.clone(), s.window, layer.rec_state, mask, scratch)
+        ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"width={width} T={T}"))
+
+
 @pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
 def test_decoding_through_the_prologue_kernel_equals_torch_path(monkeypatch, method, budget):
     """Whole decoders with every tree verify's GDN layer in the prologue kernel (tree_prologue up
