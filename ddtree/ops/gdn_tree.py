@@ -48,8 +48,8 @@ def _conv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, W: tl.con
     model dtype, as ext) load broadcast to the tile's shape: a [BK] load took its own layout and a
     conversion a tap. The one-tile kernel uses v in its tile products' layout, and Triton moves
     that conversion up to every load feeding v (two a tap) unless a reduction stands between:
-    v's taps are one [R, W, BV] product summed over the window (sm_90, 16 nodes: 38 barriers in
-    the kernel against 49; the prologue kernel 9 against 33)."""
+    v's taps are one [R, W, BV] product summed over the window (sm_86 and sm_90: 38 block barriers
+    in the 16-node tile against 49, the prologue kernel 9 against 33; tests/ops/test_sm86.py)."""
     f32 = tl.float32
     mr = mrow[:, None]
     mrk = mr & mk[None, :]

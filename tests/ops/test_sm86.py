@@ -374,7 +374,8 @@ def sm86(recorded):
 
 
 def _table(rows) -> str:
-    return "\n".join(f"  {label(j):<110} shared {r['shared']:>6}  regs {r['regs']}  stack {r['stack']}" for j, r in rows)
+    return "\n".join(f"  {label(j):<110} shared {r['shared']:>6}  regs {r['regs']}  stack {r['stack']}  "
+                     f"barriers {r.get('barriers')}" for j, r in rows)
 
 
 @compiles

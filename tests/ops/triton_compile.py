@@ -7,7 +7,8 @@ environment.
 stdin: a JSON list of jobs {module, fn, signature {arg: type}, constexprs [[index, value]],
 attrs [[index, [[name, value]]]], num_warps, num_stages (or null), cc}. stdout: a JSON list, per
 job, {ok, error, shared (bytes of dynamic shared memory per block), regs, stack (bytes of
-per-thread local memory: spills), tf32_mma and tf32_cvt (counts in the PTX), seconds}.
+per-thread local memory: spills), barriers (BAR.SYNC in the SASS), tf32_mma and tf32_cvt (counts
+in the PTX), seconds}.
 Compiled kernels land in Triton's own cache, so a job seen before costs a cache read. Jobs run
 on DDTREE_COMPILE_WORKERS processes (default: the CPU count, at most 8).
 """
@@ -26,7 +27,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 def _resources(cubin: bytes, cc: int) -> dict:
-    """REG and STACK of the kernel, from the bundled cuobjdump's resource report."""
+    """REG and STACK of the kernel, from the bundled cuobjdump's resource report, and its block
+    barriers (BAR.SYNC in the SASS: each layout conversion through shared memory and each
+    reduction across warps waits at one; a latency-bound kernel's count is a cost)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     tool = os.path.join(os.path.dirname(get_ptxas(cc).path), "cuobjdump")
@@ -34,10 +37,12 @@ def _resources(cubin: bytes, cc: int) -> dict:
         f.write(cubin)
     try:
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.remove(f.name)
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return {"regs": int(m.group(1)), "stack": int(m.group(2))} if m else {"regs": None, "stack": None}
+    res = {"regs": int(m.group(1)), "stack": int(m.group(2))} if m else {"regs": None, "stack": None}
+    return res | {"barriers": len(re.findall(r"\bBAR\.SYNC", sass))}
 
 
 def compile_one(job: dict) -> dict:
@@ -46,7 +51,7 @@ def compile_one(job: dict) -> dict:
     from triton.compiler import ASTSource
 
     t0 = time.time()
-    out = {"ok": False, "error": None, "shared": None, "regs": None, "stack": None, "tf32_mma": 0, "tf32_cvt": 0}
+    out = {"ok": False, "error": None, "shared": None, "regs": None, "stack": None, "barriers": None, "tf32_mma": 0, "tf32_cvt": 0}
     try:
         from ddtree.ops import triton_util
 
