@@ -81,20 +81,14 @@ def _qkv_finish(aq, ak, av, dt: tl.constexpr, DK: tl.constexpr):
     Q = (aq / (1.0 + tl.exp(-aq))).to(dt, fp_downcast_rounding="rtne").to(f32)
     K = (ak / (1.0 + tl.exp(-ak))).to(dt, fp_downcast_rounding="rtne").to(f32)
     V = (av / (1.0 + tl.exp(-av))).to(dt, fp_downcast_rounding="rtne").to(f32)
-    nq, nk = tl.reduce((Q * Q, K * K), 1, _add2)  # both norms in one reduction: one barrier, not two
-    Q = Q / tl.sqrt(nq + 1e-6)[:, None] * (1.0 / tl.sqrt(DK * 1.0))
-    K = K / tl.sqrt(nk + 1e-6)[:, None]
+    Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None] * (1.0 / tl.sqrt(DK * 1.0))
+    K = K / tl.sqrt(tl.sum(K * K, 1) + 1e-6)[:, None]
     return Q, K, V
 
 
 def _pow2(n: int) -> int:
     """The power of two at or above n (at trace time: a constexpr function)."""
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _add2(a0, b0, a1, b1):
-    """tl.reduce's combine for two sums at once (one pass through shared memory, one barrier)."""
-    return a0 + a1, b0 + b1
 
 
 def _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.constexpr, W: tl.constexpr):
@@ -658,7 +652,6 @@ if triton is not None:
     _conv_rows, _qkv_finish = triton.jit(_conv_rows), triton.jit(_qkv_finish)
     _root_row, _root_step = triton.jit(_root_row), triton.jit(_root_step)  # of the one-tile kernel, of the solve
     _root_terms = triton.jit(_root_terms)  # of the one-tile kernel
-    _add2 = triton.jit(_add2)  # tl.reduce's combine (_qkv_finish)
     _pow2 = triton.constexpr_function(_pow2)  # of _conv_rows' constexpr window
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kdot = triton.jit(_kdot)  # of the first pass by blocks
