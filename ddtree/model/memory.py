@@ -104,8 +104,8 @@ def drafter_weight_bytes(d: DrafterConfig, dtype) -> int:
     return sum(drafter_weight_numel(d).values()) * dtype_bytes(dtype)
 
 
-# Constants prepare() derives from the weights (fp32 copies kept beside them; the fused projection
-# weights are views, so they cost nothing). Exact.
+# Constants prepare() derives from the weights (fp32 copies and the GDN conv weight's contiguous
+# copy kept beside them; the fused projection weights are views, so they cost nothing). Exact.
 
 def layer_prepared_bytes(cfg: TargetConfig, kind: str, dtype) -> int:
     """(1 + w) in fp32 for every x * (1 + w) RMSNorm (Qwen3.5: the layer's two [H], attention's
