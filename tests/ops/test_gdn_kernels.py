@@ -307,7 +307,7 @@ def test_prologue_kernel_matches_qkvgb(cfg):
         ERR.note("prologue kernel mixer", assert_rel(layer._tree_fused(x, fused), layer.forward(x, s), 1e-5, f"T={T}"))
 
 
-@pytest.mark.parametrize("width", [3, 4])
+@pytest.mark.parametrize("width", [3])  # (4, the models' width: every other prologue test)
 def test_prologue_kernels_at_any_conv_width(width):
     """Both prologues (the blocked path's kernel and the one tile's) against qkvgb + tree_wy with
     a conv window of `width` taps: _conv_rows sums v's taps as a tensor padded to a power of two
