@@ -64,7 +64,7 @@ def _conv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, W: tl.con
             tl.load(ext + row * C + cq[None, :], mask=mrk, other=0.0).to(f32)
         ak += tl.load(wk + j * C, mask=mrk, other=0.0).to(f32) * \
             tl.load(ext + row * C + ck[None, :], mask=mrk, other=0.0).to(f32)
-    tj = tl.arange(0, _pow2(W))  # the window's taps (padded to a power of two, masked)
+    tj = tl.arange(0, triton.next_power_of_2(W))  # the window's taps (padded to a power of two, masked)
     mj = tj < W
     roww = tl.load(window + rows[:, None] * W + tj[None, :], mask=mr & mj[None, :], other=0)  # [R, WP]
     m3 = mrv[:, None, :] & mj[None, :, None]
@@ -84,11 +84,6 @@ def _qkv_finish(aq, ak, av, dt: tl.constexpr, DK: tl.constexpr):
     Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None] * (1.0 / tl.sqrt(DK * 1.0))
     K = K / tl.sqrt(tl.sum(K * K, 1) + 1e-6)[:, None]
     return Q, K, V
-
-
-def _pow2(n: int) -> int:
-    """The power of two at or above n (at trace time: a constexpr function)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.constexpr, W: tl.constexpr):
@@ -652,7 +647,6 @@ if triton is not None:
     _conv_rows, _qkv_finish = triton.jit(_conv_rows), triton.jit(_qkv_finish)
     _root_row, _root_step = triton.jit(_root_row), triton.jit(_root_step)  # of the one-tile kernel, of the solve
     _root_terms = triton.jit(_root_terms)  # of the one-tile kernel
-    _pow2 = triton.constexpr_function(_pow2)  # of _conv_rows' constexpr window
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
     _kdot = triton.jit(_kdot)  # of the first pass by blocks
     _kernel(_gdn_tree_kernel, interpret=False)
