@@ -11,10 +11,13 @@
    against tree_wy's output;
 3. core: the recurrence alone from ready q / k / v / g / beta: tree_wy, gdn_tree and
    gdn_tree_blocked (`blocked`: its rule's block, root and tiles; `blocked chunk<C>`: its first
-   pass's key products in chunks of C channels; `blocked<B>`: blocks of B nodes
+   pass's key products in chunks of C channels; `blocked loop` / `unrolled`: where the first pass
+   is per head, its squarings in a loop or unrolled; `blocked<B>`: blocks of B nodes
    of --blocks, `root`: with the root folded into the state first, at its tiles and at each of
    --tiles); and `blocked prologue` (the engine's path past one tile: gdn_tree.gdn_prologue from
-   the projection, then gdn_tree_blocked; less the projection's time)
+   the projection, then gdn_tree_blocked; less the projection's time). Each is timed after the
+   layer's projection, as the engine runs it (the projection's GEMM sweeps the L2, code included;
+   its time taken off), and back to back (`warm_ms`)
 
 Times are medians of CUDA-graph replays (launch gaps gone, as in the engine's captured verify);
 the torch pieces run eager here, where the engine compiles them, so the `kernel` and `wy` rows
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.model.presets import qwen36_27b_config  # noqa: E402
 from ddtree.model.synthetic import build_random_target, tiny_hybrid_config  # noqa: E402
-from ddtree.ops import gdn, gdn_tree  # noqa: E402
+from ddtree.ops import gdn, gdn_tree, triton_util  # noqa: E402
 from ddtree.ops.dispatch import resolve  # noqa: E402
 from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
 from ddtree.options import Options  # noqa: E402
@@ -61,6 +64,21 @@ def graph_ms(fn, calls: int = 8, replays: int = 15) -> float:
         for _ in range(calls):
             fn()
     return event_time(g.replay, reps=replays, warmup=1) / calls
+
+
+def graph_kernels(fn, calls: int = 8) -> dict[str, float]:
+    """us per fn() call of each Triton kernel fn launches (torch.profiler over replays of a CUDA
+    graph of `calls` calls in a row)."""
+    from bench_engine import profile_kernels
+
+    g = torch.cuda.CUDAGraph()
+    fn()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    top = profile_kernels(g.replay, reps=3, top=12)["top"]
+    return {k["name"].strip("_"): k["us"] / calls for k in top if k["name"].startswith("_")}
 
 
 def gemm_shapes(tc: dict) -> list[tuple[str, int, int, int]]:
@@ -182,9 +200,11 @@ def bench_tile(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: l
 
 
 def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: list, save, core_only: bool = False,
-              blocks: tuple[int, ...] = (), chunks: tuple[int, ...] = ()) -> None:
+              blocks: tuple[int, ...] = (), chunks: tuple[int, ...] = (), kernels: bool = False) -> None:
     """A row per tree size, appended to `rows`; save() after each (a stopped run keeps what it measured).
-    core_only: only the recurrence alone (tree_wy, the kernel, the blocked kernel per block and tile)."""
+    core_only: only the recurrence alone (tree_wy, the kernel, the blocked kernel per block and tile);
+    kernels: each core path's Triton kernels under torch.profiler too, after the projection and back
+    to back (us per call)."""
     model = gdn_layer(tc)
     layer = model.layers[0].linear_attn
     base = resolve(Options.from_env(), DEV)
@@ -230,9 +250,12 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
         row["sweep"] = sweep
         # the recurrence alone, from ready q / k / v / g / beta: tree_wy, the kernel, the blocked kernel
         core = {}
+        head = gdn_tree.block_nodes(T, triton_util.arch(DEV)) >= gdn_tree.HEAD_BLOCK
         for name, fn in (("wy", lambda: gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)[0]),
                          ("kernel", lambda: gdn_tree.gdn_tree(q, k, v, g, beta, S0, mask, scratch, prec)),
                          ("blocked", lambda: gdn_tree.gdn_tree_blocked(q, k, v, g, beta, S0, mask, scratch, prec)),
+                         *((f"blocked {'loop' if lp else 'unrolled'}", lambda lp=lp: gdn_tree.gdn_tree_blocked(
+                             q, k, v, g, beta, S0, mask, scratch, prec, loop=lp)) for lp in ((False, True) if head else ())),
                          ("blocked prologue", blocked_prologue),
                          *((f"blocked chunk{c}", lambda c=c: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, chunk=c)) for c in chunks),
@@ -242,14 +265,23 @@ def bench_gdn(tc: dict, nodes: list[int], tiles: list[tuple[int, int]], rows: li
                          *((f"blocked{b}{' root' if r else ''} BV{t[0]} w{t[1]}", lambda b=b, t=t, r=r: gdn_tree.gdn_tree_blocked(
                              q, k, v, g, beta, S0, mask, scratch, prec, tiles=t, block=b, root=r))
                            for b in blocks for t in tiles for r in (False, True))):
-            try:
-                core[name] = dict(ms=graph_ms(fn) - (proj_ms if fn in with_proj else 0.0), err=err(fn()))
+            try:  # ms: after the layer's projection, as in the engine (its GEMM sweeps the L2); warm: back to back
+                cold = fn if fn in with_proj else lambda fn=fn: (layer.project(x), fn())
+                core[name] = dict(ms=graph_ms(cold) - proj_ms, err=err(fn()),
+                                  **({} if fn in with_proj else dict(warm_ms=graph_ms(fn))))
+                if kernels:
+                    core[name]["kernels"] = graph_kernels(cold)
+                    if fn not in with_proj:
+                        core[name]["warm_kernels"] = graph_kernels(fn)
             except Exception as e:  # a tile past the shared memory: noted, not fatal
                 core[name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
         row["core"] = core
-        print(f"T={T:3d}  recurrence alone: " + "  ".join(
-            f"{n} {v['ms'] * 1e3:.1f} us ({v['err']:.1e})" if "ms" in v else f"{n} {v['error']}" for n, v in core.items()),
-            flush=True)
+        print(f"T={T:3d}  recurrence alone (us after the projection / back to back): " + "  ".join(
+            f"{n} {v['ms'] * 1e3:.1f}" + (f" / {v['warm_ms'] * 1e3:.1f}" if "warm_ms" in v else "") + f" ({v['err']:.1e})"
+            if "ms" in v else f"{n} {v['error']}" for n, v in core.items()), flush=True)
+        for n, v in core.items() if kernels else ():
+            print(f"    {n}: " + "  ".join(f"{k} {us:.1f}" + (f" / {v['warm_kernels'][k]:.1f}" if k in v.get("warm_kernels", {}) else "")
+                                       for k, us in v.get("kernels", {}).items()), flush=True)
         rows.append(row)
         save()
         if core_only:
@@ -276,6 +308,8 @@ def main():
                     help="BV,WARPS pairs of the one-tile kernel (part tile)")
     ap.add_argument("--mats-chunks", type=int, nargs="*", default=[16, 32, 64],
                     help="gdn_tree_blocked's first pass with its key products in chunks of these many channels (core)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="core: each path's Triton kernels under torch.profiler, after the projection and back to back")
     ap.add_argument("--gemm-backends", default="cublas",
                     help="comma-separated BLAS backends of the gemms part: cublas, cublaslt")
     ap.add_argument("--out", default=None)
@@ -313,7 +347,7 @@ def main():
         if part in parts:
             bench_gdn(tc, [t for t in nodes if t > 1], [tuple(int(v) for v in s.split(",")) for s in a.tiles],
                       out.setdefault(part, []), save, core_only=part == "core", blocks=tuple(a.blocks),
-                      chunks=tuple(a.mats_chunks))
+                      chunks=tuple(a.mats_chunks), kernels=a.kernels)
 
 
 if __name__ == "__main__":

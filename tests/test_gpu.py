@@ -230,7 +230,7 @@ def test_tree_verify_at_27b_shapes_equals_tree_wy(precision):
     value heads of 128 over 16 key heads), float32, random trees of 16 / 17 / 33 / 65 nodes: the
     one-tile kernel with its prologue (16 nodes; 17 with the root folded into the state first) and
     the path past one tile (the prologue kernel + the two-pass blocked kernel, its rule's blocks and
-    root fold): outputs and commit scratch."""
+    root fold; the per-head first pass's squarings unrolled and in a loop): outputs and commit scratch."""
     from helpers import assert_rel
 
     from ddtree.model.presets import qwen36_27b_config
@@ -268,8 +268,9 @@ def test_tree_verify_at_27b_shapes_equals_tree_wy(precision):
             paths["one tile"] = lambda out: gdn_tree.gdn_tree_prologue(layer, proj, ext, s.window, layer.rec_state,
                                                                        mask, out, precision)
         if T >= 17:
-            paths["blocked"] = lambda out: gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, s.window),
-                                                                     layer.rec_state, mask, out, precision)
+            for loop in (False, True):  # (the per-head first pass's squarings unrolled or in a loop: 65 nodes)
+                paths[f"blocked loop={loop}"] = lambda out, loop=loop: gdn_tree.gdn_tree_blocked(
+                    *gdn_tree.gdn_prologue(layer, proj, ext, s.window), layer.rec_state, mask, out, precision, loop=loop)
         for name, run in paths.items():
             got = scratch()
             assert_rel(run(got), o_ref, tol, f"{name} vs tree_wy T={T}")

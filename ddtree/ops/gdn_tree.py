@@ -93,14 +93,20 @@ def _qkv_rows(ext, window, conv_w, C, cq, ck, cv, rows, mrow, mk, mv, DK: tl.con
     return _qkv_finish(aq, ak, av, ext.dtype.element_ty, DK)
 
 
-def _squarings(A, X, NSQ: tl.constexpr, PREC: tl.constexpr):
+def _squarings(A, X, NSQ: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr):
     """The squarings of a unit-lower-triangular solve: X = (I - A) B in, (I - A)(I + A^2)(I + A^4)
     ...(I + A^(2^NSQ)) B out, which is (I + A)^-1 B where A is strictly lower triangular
     (nilpotent) and 2^(NSQ+1) >= its order. NSQ squarings and NSQ products, all
-    tile dots (a loop over the nodes costs a barrier-bound step per node)."""
-    for _ in tl.static_range(NSQ):
-        A = tl.dot(A, A, input_precision=PREC)
-        X += tl.dot(A, X, input_precision=PREC)
+    tile dots (a loop over the nodes costs a barrier-bound step per node). LOOP: one copy of a
+    step's code in a loop instead of NSQ unrolled copies (see HEAD_LOOP)."""
+    if LOOP:
+        for _ in range(NSQ):
+            A = tl.dot(A, A, input_precision=PREC)
+            X += tl.dot(A, X, input_precision=PREC)
+    else:
+        for _ in tl.static_range(NSQ):
+            A = tl.dot(A, A, input_precision=PREC)
+            X += tl.dot(A, X, input_precision=PREC)
     return X
 
 
@@ -227,7 +233,7 @@ def _gdn_tree_kernel(
         U -= rk[:, None] * u0[None, :]
         O += rq[:, None] * u0[None, :]
     # (I + A) U = B without a serial substitution: A is strictly lower triangular (_squarings)
-    U = _squarings(A, U - tl.dot(A, U, input_precision=PREC), NSQ, PREC)
+    U = _squarings(A, U - tl.dot(A, U, input_precision=PREC), NSQ, PREC, False)
     O += tl.dot(Pm, U, input_precision=PREC)
     tl.store(o + rows[:, None] * s_ot + h * s_oh + ov[None, :], O, mask=mtv)
     tl.store(ubuf + h * s_ubh + rows[:, None] * s_ubt + ov[None, :], U, mask=mtv)
@@ -324,7 +330,7 @@ def _gdn_tree_mats_kernel(
     kk = _kdot(kh, s_kt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
     qk = _kdot(qh, s_qt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
     A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * kk, 0.0)
-    E = _squarings(A, tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A, NSQ, PREC)  # (I + A)^-1
+    E = _squarings(A, tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A, NSQ, PREC, False)  # (I + A)^-1
     at = base + (rb - ROOT)[:, None] * LD + (rb - ROOT)[None, :]
     mbb = mb[:, None] & mb[None, :]
     tl.store(wm + at, E, mask=mbb)
@@ -335,7 +341,7 @@ def _gdn_tree_mats_head_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr, LOOP: tl.constexpr,
 ):
     # _gdn_tree_mats_kernel's matrices for a whole head in one program: [BN, BN] tiles over the
     # nodes after the root (BN >= 64: the tile products are warp-group MMAs on Hopper, and no
@@ -368,7 +374,7 @@ def _gdn_tree_mats_head_kernel(
     tl.store(pm + at, dec * tl.dot(Q, tl.trans(K), input_precision=PREC), mask=mrr)
     same = (on[:, None] // SB) == (on[None, :] // SB)  # the diagonal blocks
     Ad = tl.where(same, A, 0.0)
-    E = _squarings(Ad, tl.where(on[:, None] == on[None, :], 1.0, 0.0) - Ad, NSQ, PREC)  # each block's inverse
+    E = _squarings(Ad, tl.where(on[:, None] == on[None, :], 1.0, 0.0) - Ad, NSQ, PREC, LOOP)  # each block's inverse
     tl.store(wm + at, tl.where(same, E, A), mask=mrr)
 
 
@@ -437,7 +443,8 @@ def _gdn_tree_solve_kernel(
 
 @eager
 def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None,
-                     block: int | None = None, root: bool | None = None, chunk: int | None = None):
+                     block: int | None = None, root: bool | None = None, chunk: int | None = None,
+                     loop: bool | None = None):
     """gdn_tree by blocks of `block` nodes, for the trees the one-tile kernel does not take
     (ddtree.ops.dispatch), in two passes: the matrices that do not depend on the values (the
     masks, the cross terms, each block's inverse), then the blocks in order
@@ -447,7 +454,8 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     instead of blocked_tiles'; block: None, block_nodes' rule; root: node 0 is an ancestor of
     every node (true of every verify tree; not checked), folded into the state first; None:
     where that saves a block (fold_root); chunk: the first pass's key products in chunks of this
-    many channels (None: MATS_CHUNK)."""
+    many channels (None: MATS_CHUNK); loop: the per-head first pass's squarings in a loop instead
+    of unrolled (None: HEAD_LOOP)."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     strides = _input_strides(q, k, v, g, beta)
@@ -468,7 +476,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     with _on_device_of(S0):
         if T > root and block >= HEAD_BLOCK:  # (T == root: the root alone, nothing to solve)
             _kernel(_gdn_tree_mats_head_kernel, interpret=not S0.is_cuda)[(H,)](
-                *mat_args, BN=max(HEAD_BLOCK, _tile(T - root)), **consts)
+                *mat_args, BN=max(HEAD_BLOCK, _tile(T - root)), LOOP=HEAD_LOOP if loop is None else bool(loop), **consts)
         elif T > root:
             _kernel(_gdn_tree_mats_kernel, interpret=not S0.is_cuda)[(triton.cdiv(T - root, block), H)](
                 *mat_args, BT=_tile(T), DC=min(chunk, _tile(dk)), **consts)  # (BT: the path mask's columns)
@@ -507,6 +515,15 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
 # (0.9-1.3 KB a thread of spills), 16.0 / 27.8 in chunks of 16, 15.4 / 26.2 of 32, 15.0 / 24.7 of
 # 64 (results/verify-chunks-h100.json, cc07260).
 MATS_CHUNK = 64
+
+# The per-head first pass's squarings (five at 64 nodes) unrolled or in a loop: 8,184 or 4,384 SASS
+# instructions on sm_90 (131 or 70 KB of code). In the engine the kernel runs right after the
+# layer's projection GEMM has swept the L2, code included; there an H100 measured it at 36.7 / 38.8
+# us (64 / 65 nodes) against 24.5 / 25.9 back to back and 39.9 / 41.7 after a 256 MB copy, while
+# the first pass of 16-node blocks (3,608 instructions; 33 nodes) took 11.6 against 11.3
+# (results/verify-cold-h100.json, fbbe368, unrolled). The loop is the candidate, off until timed:
+# `python scripts/bench_verify.py --parts core --nodes 64,65 --kernels` (`blocked loop` / `unrolled`).
+HEAD_LOOP = False
 
 
 def block_nodes(T: int, a: Arch | None = None) -> int:

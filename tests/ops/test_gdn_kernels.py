@@ -170,6 +170,7 @@ TREE_KERNELS = {
     "gdn_tree_blocked16_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=True),
     "gdn_tree_blocked64": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=64, root=False),
     "gdn_tree_blocked64_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=64, root=True),
+    "gdn_tree_blocked64_loop": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=64, root=False, loop=True),
     "gdn_tree_blocked16_chunk16": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=False, chunk=16),
     "gdn_tree_blocked16_root_chunk16": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=True, chunk=16),
 }
@@ -180,7 +181,7 @@ TREE_KERNELS = {
 def test_tree_kernel_matches_tree_wy(cfg, kernel):
     """The tree-verify kernel (whole tiles, with or without the root folded into the state first;
     by blocks of 16 or 64 nodes, the first pass per block
-    or per head, its key products in chunks of the default width or of 16 channels, with or
+    or per head (its squarings unrolled or in a loop), its key products in chunks of the default width or of 16 channels, with or
     without the root folded into the state first) against gdn.tree_wy on
     random trees of 2..65 nodes rooted at node 0 (one block, a full one, two to five, the last
     partial or, with the root folded, 17 / 33 / 65 in whole blocks; 32: a chain across a block

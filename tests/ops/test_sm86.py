@@ -375,7 +375,7 @@ def sm86(recorded):
 
 def _table(rows) -> str:
     return "\n".join(f"  {label(j):<110} shared {r['shared']:>6}  regs {r['regs']}  stack {r['stack']}  "
-                     f"barriers {r.get('barriers')}" for j, r in rows)
+                     f"barriers {r.get('barriers')}  sass {r.get('sass')}" for j, r in rows)
 
 
 @compiles

@@ -7,8 +7,9 @@ environment.
 stdin: a JSON list of jobs {module, fn, signature {arg: type}, constexprs [[index, value]],
 attrs [[index, [[name, value]]]], num_warps, num_stages (or null), cc}. stdout: a JSON list, per
 job, {ok, error, shared (bytes of dynamic shared memory per block), regs, stack (bytes of
-per-thread local memory: spills), barriers (BAR.SYNC in the SASS), tf32_mma and tf32_cvt (counts
-in the PTX), seconds}.
+per-thread local memory: spills), barriers (BAR.SYNC in the SASS), sass (its instructions: the
+code each SM fetches, from HBM where a GEMM has swept the L2 just before), tf32_mma and tf32_cvt
+(counts in the PTX), seconds}.
 Compiled kernels land in Triton's own cache, so a job seen before costs a cache read. Jobs run
 on DDTREE_COMPILE_WORKERS processes (default: the CPU count, at most 8).
 """
@@ -42,7 +43,8 @@ def _resources(cubin: bytes, cc: int) -> dict:
         os.remove(f.name)
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
     res = {"regs": int(m.group(1)), "stack": int(m.group(2))} if m else {"regs": None, "stack": None}
-    return res | {"barriers": len(re.findall(r"\bBAR\.SYNC", sass))}
+    return res | {"barriers": len(re.findall(r"\bBAR\.SYNC", sass)),
+                  "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))}
 
 
 def compile_one(job: dict) -> dict:
@@ -51,7 +53,7 @@ def compile_one(job: dict) -> dict:
     from triton.compiler import ASTSource
 
     t0 = time.time()
-    out = {"ok": False, "error": None, "shared": None, "regs": None, "stack": None, "barriers": None, "tf32_mma": 0, "tf32_cvt": 0}
+    out = {"ok": False, "error": None, "shared": None, "regs": None, "stack": None, "barriers": None, "sass": None, "tf32_mma": 0, "tf32_cvt": 0}
     try:
         from ddtree.ops import triton_util
 
