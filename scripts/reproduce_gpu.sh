@@ -95,6 +95,10 @@ verify)  # "What misses its target, and why": the verify's weight GEMMs and its 
         --out "$OUT/verify-core-2pass-$GPU.json"
     step verify.log "$PY" scripts/bench_verify.py --parts core --nodes 17,33,65 --blocks --tiles \
         --out "$OUT/verify-fused-$GPU.json"
+    # one GDN layer from the projection, as the engine runs it, and each kernel after the projection / back to back
+    step verify.log "$PY" scripts/bench_verify.py --parts tile --tile-sweep --nodes 16,17,33 --out "$OUT/verify-cold-tile-$GPU.json"
+    step verify.log "$PY" scripts/bench_verify.py --parts core --nodes 33,64,65 --kernels --blocks --mats-chunks \
+        --out "$OUT/verify-cold-$GPU.json"
     ;;
 suite)  # the GPU-suite row of "Targets"
     step suite.log env DDTREE_FIXTURE="$FIXTURE" "$PY" -m pytest -q -m gpu -n 6 -p no:cacheprovider --durations=20 tests
