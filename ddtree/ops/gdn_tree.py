@@ -264,21 +264,25 @@ def _gdn_prologue_kernel(
     tl.store(beta + r * s_gt + h, bb, mask=mr)
 
 
-def _kdot(a, a_t, a_m, b, b_t, b_m, ra, rb, DK: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
-          PREC: tl.constexpr):
-    """[R, R] products of rows `ra` of a and rows `rb` of b (fp32 rows of DK channels at a + row *
-    a_t, channel-contiguous; masks a_m, b_m) over the key width in chunks of DC channels read from
-    memory: each chunk's operands are small, where whole [R, BK] tf32x3 operands split in two and
-    copied to every warp spill (1 KB a thread on sm_90 at R = 16, BK = 128)."""
+def _kdots(a, a_t, a2, a2_t, a_m, b, b_t, b_m, ra, rb, DK: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
+           PREC: tl.constexpr):
+    """The [R, R] products of rows `ra` of a and of a2 with rows `rb` of b (fp32 rows of DK
+    channels at a + row * a_t, a2 + row * a2_t, b + row * b_t, channel-contiguous; masks a_m,
+    b_m) over the key width in chunks of DC channels read from memory: each chunk's operands are
+    small, where whole [R, BK] tf32x3 operands split in two and copied to every warp spill (1 KB a
+    thread on sm_90 at R = 16, BK = 128). The two products share b's chunk and its conversion to
+    an operand (37 block barriers on sm_90 at 33 nodes against 45 as two loops). -> (a b^T, a2 b^T)."""
     od = tl.arange(0, DC)
     acc = tl.zeros([ra.shape[0], rb.shape[0]], dtype=tl.float32)
+    acc2 = tl.zeros([ra.shape[0], rb.shape[0]], dtype=tl.float32)
     for d in range(0, BK, DC):
         md = (d + od) < DK
         x = tl.load(a + ra[:, None] * a_t + d + od[None, :], mask=a_m[:, None] & md[None, :], other=0.0).to(tl.float32)
-        y = tl.load(b + rb[:, None] * b_t + d + od[None, :], mask=b_m[:, None] & md[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(x, tl.trans(y), input_precision=PREC)
-    return acc
-
+        x2 = tl.load(a2 + ra[:, None] * a2_t + d + od[None, :], mask=a_m[:, None] & md[None, :], other=0.0).to(tl.float32)
+        y = tl.trans(tl.load(b + rb[:, None] * b_t + d + od[None, :], mask=b_m[:, None] & md[None, :], other=0.0).to(tl.float32))
+        acc += tl.dot(x, y, input_precision=PREC)
+        acc2 += tl.dot(x2, y, input_precision=PREC)
+    return acc, acc2
 
 def _gdn_tree_mats_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
@@ -293,7 +297,7 @@ def _gdn_tree_mats_kernel(
     # and wm[b, b] = (I + A[b, b])^-1 (squarings, as _gdn_tree_kernel); pm[b, c] = e^(c_i - c_j)
     # q_i.k_j over ancestors and the node itself (c <= b). Also the commit scratch's k and c rows.
     # Blocks above the diagonal are never written nor read. The key products run in chunks of DC
-    # channels (_kdot): whole [SB, BK] tiles held in registers spilled 0.9-1.3 KB a thread.
+    # channels (_kdots): whole [SB, BK] tiles held in registers spilled 0.9-1.3 KB a thread.
     b = tl.program_id(0)
     h = tl.program_id(1)
     f32 = tl.float32
@@ -321,14 +325,12 @@ def _gdn_tree_mats_kernel(
         on_bc = tl.load(mask + rb[:, None] * T + rc[None, :], mask=mb[:, None], other=0) != 0  # [SB, SB]
         dec = tl.exp(tl.where(on_bc, c_b[:, None] - c_c[None, :], float("-inf")))  # masked before exp
         at = base + (rb - ROOT)[:, None] * LD + (rc - ROOT)[None, :]
-        kk = _kdot(kh, s_kt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
-        qk = _kdot(qh, s_qt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
+        kk, qk = _kdots(kh, s_kt, qh, s_qt, mb, kh, s_kt, rc >= 0, rb, rc, DK, BK, DC, PREC)
         tl.store(wm + at, bb[:, None] * dec * kk, mask=mb[:, None])
         tl.store(pm + at, dec * qk, mask=mb[:, None])
     on_bb = tl.load(mask + rb[:, None] * T + rb[None, :], mask=mb[:, None] & mb[None, :], other=0) != 0
     dec = tl.exp(tl.where(on_bb, c_b[:, None] - c_b[None, :], float("-inf")))
-    kk = _kdot(kh, s_kt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
-    qk = _kdot(qh, s_qt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
+    kk, qk = _kdots(kh, s_kt, qh, s_qt, mb, kh, s_kt, mb, rb, rb, DK, BK, DC, PREC)
     A = tl.where(os_[None, :] < os_[:, None], bb[:, None] * dec * kk, 0.0)
     E = _squarings(A, tl.where(os_[:, None] == os_[None, :], 1.0, 0.0) - A, NSQ, PREC, False)  # (I + A)^-1
     at = base + (rb - ROOT)[:, None] * LD + (rb - ROOT)[None, :]
@@ -665,7 +667,7 @@ if triton is not None:
     _root_row, _root_step = triton.jit(_root_row), triton.jit(_root_step)  # of the one-tile kernel, of the solve
     _root_terms = triton.jit(_root_terms)  # of the one-tile kernel
     _squarings = triton.jit(_squarings)  # of the one-tile kernel and both first passes
-    _kdot = triton.jit(_kdot)  # of the first pass by blocks
+    _kdots = triton.jit(_kdots)  # of the first pass by blocks
     _kernel(_gdn_tree_kernel, interpret=False)
     _kernel(_gdn_tree_mats_kernel, interpret=False)
     _kernel(_gdn_tree_mats_head_kernel, interpret=False)

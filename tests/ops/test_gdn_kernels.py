@@ -186,7 +186,8 @@ def test_tree_kernel_matches_tree_wy(cfg, kernel):
     random trees of 2..65 nodes rooted at node 0 (one block, a full one, two to five, the last
     partial or, with the root folded, 17 / 33 / 65 in whole blocks; 32: a chain across a block
     edge; 65 in blocks of 64 without the fold: the per-head pass's cross terms), with the strided
-    q / k / v views the layer passes: outputs and commit scratch."""
+    q / k / v views the layer passes (at 17 / 33 / 65 q contiguous: a row stride of its own):
+    outputs and commit scratch."""
     from ddtree.ops.tree import ancestor_mask_from_parents
 
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=1, device=DEV)
@@ -200,6 +201,9 @@ def test_tree_kernel_matches_tree_wy(cfg, kernel):
         x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
         s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
         q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
+        if T in (17, 33, 65):  # q with its own row stride (k stays a view of the layer's buffer)
+            q = q.contiguous()
+            assert q.stride(0) != k.stride(0)
         S0 = torch.randn(layer.rec_state.shape, generator=g_).to(DEV) * 0.5
         scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, S0, mask, out=scratch)
