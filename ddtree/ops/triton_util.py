@@ -136,3 +136,31 @@ def dot_precision(requested: str, a: Arch | None) -> str:
 def tile(n: int) -> int:
     """A tile side for n rows or channels: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(16, 1 << (n - 1).bit_length())
+
+
+def pdl_ok(a: Arch | None) -> bool:
+    """Programmatic dependent launch (griddepcontrol) on `a`: Hopper and later."""
+    return a is not None and a.major >= 9
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """A launch's options for PDL kernels (pdl_enter inside): launched as programmatic dependents
+    of the kernel ahead of them in the stream (or the graph), or plainly."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def _pdl_enter():
+    """The top of a kernel launched as a programmatic dependent (pdl_launch): its launch and its
+    programs' start overlap the kernel ahead of it; they wait here until that kernel has finished
+    and its writes are visible (before any load or store: a buffer it reads may be ours to
+    write), then let the next such kernel launch early in turn."""
+    gdc_wait()
+    gdc_launch_dependents()
+
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    pdl_enter = triton.jit(_pdl_enter)
+else:
+    pdl_enter = None

@@ -342,7 +342,7 @@ def test_decoding_through_the_prologue_kernel_equals_torch_path(monkeypatch, met
     to 128 nodes): greedy tokens equal the torch path's, and the kernel was used."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     calls, real = [], gdn_tree.gdn_tree_prologue
-    monkeypatch.setattr(gdn_tree, "gdn_tree_prologue", lambda *a: calls.append(1) or real(*a))  # a spy
+    monkeypatch.setattr(gdn_tree, "gdn_tree_prologue", lambda *a, **k: calls.append(1) or real(*a, **k))  # a spy
     toks = {}
     for on in (True, False):
         opts = FAST.replace(tree_kernel="on", tree_prologue=128) if on else FAST.replace(tree_kernel="off")
@@ -357,7 +357,7 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method,
     equal the torch path's (tree_wy), and the kernel was used."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     calls, real = [], gdn_tree.gdn_tree
-    monkeypatch.setattr(gdn_tree, "gdn_tree", lambda *a: calls.append(1) or real(*a))  # a spy
+    monkeypatch.setattr(gdn_tree, "gdn_tree", lambda *a, **k: calls.append(1) or real(*a, **k))  # a spy
     toks = {}
     for on in (True, False):
         # every size up to 128 nodes in the kernel (the prologue kernel off: this test is about gdn_tree)
@@ -375,8 +375,8 @@ def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prol
     path's, and the kernels were used."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4)).tolist()
     calls, pro, real, real_pro = [], [], gdn_tree.gdn_tree_blocked, gdn_tree.gdn_prologue
-    monkeypatch.setattr(gdn_tree, "gdn_tree_blocked", lambda *a: calls.append(a[0].shape[0]) or real(*a))  # spies
-    monkeypatch.setattr(gdn_tree, "gdn_prologue", lambda *a: pro.append(a[1].shape[0]) or real_pro(*a))
+    monkeypatch.setattr(gdn_tree, "gdn_tree_blocked", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))  # spies
+    monkeypatch.setattr(gdn_tree, "gdn_prologue", lambda *a, **k: pro.append(a[1].shape[0]) or real_pro(*a, **k))
     toks = {}
     for on in (True, False):
         opts = FAST.replace(tree_prologue=prologue) if on else FAST.replace(tree_kernel="off")
