@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from ddtree.ops import triton_util
-from ddtree.ops.triton_util import _kernel, _on_device_of, pdl_enter, pdl_launch, tl, triton  # noqa: F401 (pdl_enter: the kernel's)
+# (pdl_enter: the kernel's device function under PDL)
+from ddtree.ops.triton_util import _kernel, _on_device_of, pdl_enter, pdl_launch, tl, triton  # noqa: F401
 
 ROWS = 8  # (node, head) rows a program: 816 rows of a 17-node verify at the 27B's 48 heads in 102 programs
 

@@ -17,7 +17,8 @@ import torch
 
 from ddtree.ops import triton_util
 from ddtree.ops.eager import eager
-from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, pdl_enter, pdl_launch, tl, triton  # noqa: F401 (pdl_enter: the kernels')
+# (pdl_enter: the kernels' device function under PDL)
+from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, pdl_enter, pdl_launch, tl, triton  # noqa: F401
 from ddtree.ops.triton_util import tile as _tile
 
 MAX_NODES = 128  # one program holds a whole tree: [T, T] tiles
@@ -282,8 +283,9 @@ def _kdots(a, a_t, a2, a2_t, a_m, b, b_t, b_m, ra, rb, DK: tl.constexpr, BK: tl.
     for d in range(0, BK, DC):
         md = (d + od) < DK
         x = tl.load(a + ra[:, None] * a_t + d + od[None, :], mask=a_m[:, None] & md[None, :], other=0.0).to(tl.float32)
-        x2 = tl.load(a2 + ra[:, None] * a2_t + d + od[None, :], mask=a_m[:, None] & md[None, :], other=0.0).to(tl.float32)
-        y = tl.trans(tl.load(b + rb[:, None] * b_t + d + od[None, :], mask=b_m[:, None] & md[None, :], other=0.0).to(tl.float32))
+        x2 = tl.load(a2 + ra[:, None] * a2_t + d + od[None, :], mask=a_m[:, None] & md[None, :], other=0.0)
+        y = tl.load(b + rb[:, None] * b_t + d + od[None, :], mask=b_m[:, None] & md[None, :], other=0.0)
+        x2, y = x2.to(tl.float32), tl.trans(y.to(tl.float32))
         acc += tl.dot(x, y, input_precision=PREC)
         acc2 += tl.dot(x2, y, input_precision=PREC)
     return acc, acc2
