@@ -46,13 +46,13 @@ from ddtree.ops import gdn, gdn_tree, triton_util  # noqa: E402
 from ddtree.ops.dispatch import resolve  # noqa: E402
 from ddtree.ops.tree import ancestor_mask_from_parents  # noqa: E402
 from ddtree.options import Options  # noqa: E402
-from bench_engine import copy_bandwidth, event_time, git_commit  # noqa: E402  (scripts/ is sys.path[0])
+from bench_engine import copy_bandwidth, event_time, git_commit, profile_kernels  # noqa: E402  (scripts/ is sys.path[0])
 
 DEV = torch.device("cuda")
 
 
-def graph_ms(fn, calls: int = 8, replays: int = 15) -> float:
-    """Median ms of one fn() call, from replays of a CUDA graph of `calls` calls in a row."""
+def graph_of(fn, calls: int = 8) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` fn() calls in a row (fn warmed up on a side stream first)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -63,21 +63,18 @@ def graph_ms(fn, calls: int = 8, replays: int = 15) -> float:
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    return event_time(g.replay, reps=replays, warmup=1) / calls
+    return g
+
+
+def graph_ms(fn, calls: int = 8, replays: int = 15) -> float:
+    """Median ms of one fn() call, from replays of a CUDA graph of `calls` calls in a row."""
+    return event_time(graph_of(fn, calls).replay, reps=replays, warmup=1) / calls
 
 
 def graph_kernels(fn, calls: int = 8) -> dict[str, float]:
     """us per fn() call of each Triton kernel fn launches (torch.profiler over replays of a CUDA
     graph of `calls` calls in a row)."""
-    from bench_engine import profile_kernels
-
-    g = torch.cuda.CUDAGraph()
-    fn()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    top = profile_kernels(g.replay, reps=3, top=12)["top"]
+    top = profile_kernels(graph_of(fn, calls).replay, reps=3, top=12)["top"]
     return {k["name"].strip("_"): k["us"] / calls for k in top if k["name"].startswith("_")}
 
 

@@ -62,7 +62,7 @@ class Kernels:
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
     prefill_attention: str = "auto"  # ddtree.ops.attention.prefill_attention's backend (auto: math on CPU)
     fused_prefix: bool = False  # a verify's committed prefix through cuDNN's attention (tree_attention's floor)
-    pdl: bool = False  # a tree verify's GDN kernels as programmatic dependents (triton_util.pdl_launch)
+    pdl: bool = False  # a tree verify's GDN kernels as programmatic dependents (triton_util.pdl_args)
 
     def tree(self, T: int, dk: int) -> bool:
         """The one-kernel tree verify for a T-node tree of key width dk? Its tile holds the nodes

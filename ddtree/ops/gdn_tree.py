@@ -18,7 +18,7 @@ import torch
 from ddtree.ops import triton_util
 from ddtree.ops.eager import eager
 # (pdl_enter: the kernels' device function under PDL)
-from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, pdl_enter, pdl_launch, tl, triton  # noqa: F401
+from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, pdl_args, pdl_enter, tl, triton  # noqa: F401
 from ddtree.ops.triton_util import tile as _tile
 
 MAX_NODES = 128  # one program holds a whole tree: [T, T] tiles
@@ -168,7 +168,7 @@ def _gdn_tree_kernel(
     # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step,
     # S' = e^g0 S + k0 u0^T, and the tile takes nodes 1.. against S' (decays relative to it), S'
     # never formed (_root_row): a tree of 16m + 1 nodes fits the tile of 16m (as the solve's ROOT).
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_launch)
+    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
         pdl_enter()
     h = tl.program_id(0)
     vb = tl.program_id(1)
@@ -251,7 +251,7 @@ def _gdn_prologue_kernel(
     # GatedDeltaNet.qkvgb's tree convolution + SiLU, norms, head repeat and gates in one launch:
     # one program per (block of BR nodes, value head), its q / k recomputed per value head (REP
     # times, cheaper than a second launch). q, k [T, HV, DK], v [T, HV, DV], g, beta [T, HV] fp32.
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_launch)
+    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
         pdl_enter()
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     h = tl.program_id(1)
@@ -282,13 +282,14 @@ def _kdots(a, a_t, a2, a2_t, a_m, b, b_t, b_m, ra, rb, DK: tl.constexpr, BK: tl.
     acc2 = tl.zeros([ra.shape[0], rb.shape[0]], dtype=tl.float32)
     for d in range(0, BK, DC):
         md = (d + od) < DK
-        x = tl.load(a + ra[:, None] * a_t + d + od[None, :], mask=a_m[:, None] & md[None, :], other=0.0).to(tl.float32)
+        x = tl.load(a + ra[:, None] * a_t + d + od[None, :], mask=a_m[:, None] & md[None, :], other=0.0)
         x2 = tl.load(a2 + ra[:, None] * a2_t + d + od[None, :], mask=a_m[:, None] & md[None, :], other=0.0)
         y = tl.load(b + rb[:, None] * b_t + d + od[None, :], mask=b_m[:, None] & md[None, :], other=0.0)
-        x2, y = x2.to(tl.float32), tl.trans(y.to(tl.float32))
-        acc += tl.dot(x, y, input_precision=PREC)
-        acc2 += tl.dot(x2, y, input_precision=PREC)
+        yt = tl.trans(y.to(tl.float32))
+        acc += tl.dot(x.to(tl.float32), yt, input_precision=PREC)
+        acc2 += tl.dot(x2.to(tl.float32), yt, input_precision=PREC)
     return acc, acc2
+
 
 def _gdn_tree_mats_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
@@ -304,7 +305,7 @@ def _gdn_tree_mats_kernel(
     # q_i.k_j over ancestors and the node itself (c <= b). Also the commit scratch's k and c rows.
     # Blocks above the diagonal are never written nor read. The key products run in chunks of DC
     # channels (_kdots): whole [SB, BK] tiles held in registers spilled 0.9-1.3 KB a thread.
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_launch)
+    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
         pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -359,7 +360,7 @@ def _gdn_tree_mats_head_kernel(
     # block-diagonal part.
     # The tile holds every node after the root (BN >= T - ROOT), so each path sums over the tile's
     # [BN, BN] mask, plus the root's log-decay (an ancestor of every node).
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_launch)
+    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
         pdl_enter()
     h = tl.program_id(0)
     f32 = tl.float32
@@ -405,7 +406,7 @@ def _gdn_tree_solve_kernel(
     # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
     # first, S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative
     # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks.
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_launch)
+    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
         pdl_enter()
     h = tl.program_id(0)
     vb = tl.program_id(1)
@@ -470,7 +471,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     where that saves a block (fold_root); chunk: the first pass's key products in chunks of this
     many channels (None: MATS_CHUNK); loop: the per-head first pass's squarings in a loop instead
     of unrolled (None: HEAD_LOOP); pdl: both passes launched as programmatic dependents
-    (triton_util.pdl_launch; Hopper and later, else ignored)."""
+    (triton_util.pdl_args; Hopper and later, else ignored)."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     strides = _input_strides(q, k, v, g, beta)
@@ -484,9 +485,9 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     LD = max(16, -(-(T - root) // 16) * 16)  # the nodes after the root, rows aligned to 16 elements
     wm, pm = (torch.empty(H, LD, LD, dtype=torch.float32, device=S0.device) for _ in range(2))
     mat_args = (q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:], kb.stride(0), kb.stride(1), cb.stride(0))
-    pdl = pdl and triton_util.pdl_ok(a)
+    pa = pdl_args(pdl, S0.device)  # (the same for both passes)
     consts = dict(T=T, DK=dk, SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root), LD=LD,
-                  NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4, PDL=pdl, **pdl_launch(pdl))
+                  NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4, **pa)
     chunk = MATS_CHUNK if chunk is None else chunk
     solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
@@ -501,7 +502,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), LD=LD, num_warps=warps,
-            PDL=pdl, **pdl_launch(pdl),
+            **pa,
         )
     return o
 
@@ -514,7 +515,6 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
     v [T, hv, dv], g, beta [T, hv], all fp32; pdl: as gdn_tree_blocked's. Twin: qkvgb
     (tests/ops/test_gdn_kernels.py)."""
     T, dev = proj.shape[0], proj.device
-    pdl = pdl and triton_util.pdl_ok(triton_util.arch(dev))
     ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
     q, k = (torch.empty(T, hv, layer.dk, dtype=torch.float32, device=dev) for _ in range(2))
     v = torch.empty(T, hv, layer.dv, dtype=torch.float32, device=dev)
@@ -525,7 +525,7 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
             ext_, window_, w, proj_, neg_a, dt_bias, q, k, v, g, beta,
             s_pt, C, hv, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
             T=T, DK=layer.dk, DV=layer.dv, BR=16, BK=_tile(layer.dk), BV=_tile(layer.dv), REP=rep, KD=kd, W=width,
-            PDL=pdl, **pdl_launch(pdl),
+            **pdl_args(pdl, dev),
         )
     return q, k, v, g, beta
 
@@ -665,7 +665,6 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
     if not prologue:  # the prologue's pointer / int arguments go unused
         pro = (S0, S0, S0, S0, S0, S0, 0, 0, 0, 1, 0, 1)
     kern = _kernel(_gdn_tree_kernel, interpret=not S0.is_cuda)
-    pdl = pdl and triton_util.pdl_ok(triton_util.arch(S0.device))
     with _on_device_of(S0):
         kern[(H, triton.cdiv(dv, BV))](
             q, k, v, g, beta, S0, mask, o, kb, ub, cb,
@@ -675,7 +674,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
             NSQ=max(0, (n - 1).bit_length() - 1), num_warps=warps, ROOT=T - n,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
-            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11], PDL=pdl, **pdl_launch(pdl),
+            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11], **pdl_args(pdl, S0.device),
         )
     return o
 

@@ -143,14 +143,16 @@ def pdl_ok(a: Arch | None) -> bool:
     return a is not None and a.major >= 9
 
 
-def pdl_launch(pdl: bool) -> dict:
-    """A launch's options for PDL kernels (pdl_enter inside): launched as programmatic dependents
-    of the kernel ahead of them in the stream (or the graph), or plainly."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_args(pdl: bool, device) -> dict:
+    """A PDL kernel's launch arguments (pdl_enter inside, under its PDL constexpr): launched as a
+    programmatic dependent of the kernel ahead of it in the stream (or the graph) where asked and
+    `device` has it (pdl_ok), else plainly."""
+    on = bool(pdl) and pdl_ok(arch(device))
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def _pdl_enter():
-    """The top of a kernel launched as a programmatic dependent (pdl_launch): its launch and its
+    """The top of a kernel launched as a programmatic dependent (pdl_args): its launch and its
     programs' start overlap the kernel ahead of it; they wait here until that kernel has finished
     and its writes are visible (before any load or store: a buffer it reads may be ours to
     write), then let the next such kernel launch early in turn."""
