@@ -536,14 +536,14 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
 # 64 (results/verify-chunks-h100.json, cc07260).
 MATS_CHUNK = 64
 
-# The per-head first pass's squarings (five at 64 nodes) unrolled or in a loop: 8,184 or 4,384 SASS
-# instructions on sm_90 (131 or 70 KB of code). In the engine the kernel runs right after the
-# layer's projection GEMM has swept the L2, code included; there an H100 measured it at 36.7 / 38.8
-# us (64 / 65 nodes) against 24.5 / 25.9 back to back and 39.9 / 41.7 after a 256 MB copy, while
-# the first pass of 16-node blocks (3,608 instructions; 33 nodes) took 11.6 against 11.3
-# (results/verify-cold-h100.json, fbbe368, unrolled). The loop is the candidate, off until timed:
+# The per-head first pass's squarings (five at 64 nodes) in a loop rather than unrolled: 4,384
+# against 8,184 SASS instructions on sm_90 (70 against 131 KB of code). In the engine the kernel
+# runs right after the layer's projection GEMM has swept the L2, its code included, so code size is
+# time: on an H100 the loop took 21.8 / 22.9 us (64 / 65 nodes) after the projection against the
+# unrolled 38.8 / 41.2 (19.9 / 20.7 against 24.1 / 25.4 back to back), and a 65-node verify 22.55
+# against 23.38 ms (results/verify-loop-h100.json, results/engine-1k-loop-h100.json, e8c6975).
 # `python scripts/bench_verify.py --parts core --nodes 64,65 --kernels` (`blocked loop` / `unrolled`).
-HEAD_LOOP = False
+HEAD_LOOP = True
 
 
 def block_nodes(T: int, a: Arch | None = None) -> int:
