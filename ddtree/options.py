@@ -87,7 +87,8 @@ class Options:
     tree_prologue: int = _switch("DDTREE_TREE_PROLOGUE", "the GDN prologue in Triton (inside the one-tile tree kernel, or ahead of the blocked one) up to this many nodes (0: off)",
                                  _count, default=65)
     pdl: bool = _switch("DDTREE_PDL", "a tree verify's GDN kernels (prologue, passes, gated norm) launched as programmatic "
-                        "dependents on Hopper and later: each launches while the one ahead drains and waits for it in the kernel",
+                        "dependents on Hopper and later: each launches while the one ahead drains and waits for it in the kernel "
+                        "(on an H100 no faster at 17 / 33 nodes, 0.5 ms slower a verify at 64 / 65)",
                         _on_when_set, experimental=True, default=False)
     attention: str = _switch("DDTREE_ATTENTION", "tree/decode attention: auto, kernel (split-KV), sdpa (dense-mask twin)",
                              _choice("auto", "kernel", "sdpa"), default="auto")

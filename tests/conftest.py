@@ -44,6 +44,14 @@ def skip_without_fixture() -> None:
         pytest.skip(FIXTURE_REASON)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The `slow` tests first, in their order, then the rest: under xdist's worksteal (pyproject's
+    addopts) the long ones start at once and an idle worker takes short tests from the end of the
+    other's queue, so the workers end together instead of one running a minute-long test alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def fixture_dir() -> Path:
     """../shared/fixtures/codepair (target/, drafter/, prompts.jsonl); skips the test when absent."""

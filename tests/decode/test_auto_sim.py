@@ -70,6 +70,7 @@ def test_auto_within_3_percent_of_the_best_fixed_method(regime, sync):
     assert got["auto_vs_best"] >= 0.97, (regime, got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["drafter", "drafter-distilled", "drafter-large"])
 def test_auto_greedy_equals_ar_with_each_fixture_drafter(fixture_dir, drafter, one_thread):
     """float32 on the CPU: --budget auto's tokens equal ar's on two fixture prompts."""

@@ -14,6 +14,7 @@ PROMPTS = 4
 
 pytestmark = [
     pytest.mark.fixture,
+    pytest.mark.slow,
     pytest.mark.skipif(not (FIXTURE / "target" / "config.json").is_file(),
                        reason=f"codepair fixture not found at {FIXTURE} (see ../shared/fixtures/codepair/README.md)"),
 ]

@@ -49,6 +49,7 @@ def test_random_pair_with_a_sliding_drafter_over_three_chunks():
 
 
 @pytest.mark.fixture
+@pytest.mark.slow
 @pytest.mark.skipif(not have_fixture(), reason=FIXTURE_REASON)
 def test_codepair_fitted_to_1500_tokens():
     """The trained pair on a fixture prompt fitted to 1500 tokens (bench --prompt-tokens' rule):

@@ -4,6 +4,8 @@ interpreter is switched on by tests/conftest.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -76,6 +78,15 @@ def _random_tree_step(model, layer, T: int, g_, shape: str = "random"):
     return mask, x, s
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_path_tokens(prompt_seed: int, method: str, budget) -> list[int]:
+    """Greedy tokens of the random hybrid pair (seed 3) on the torch path, every op on its twin:
+    what each whole-decoder test's kernels must give (made once per worker and reused)."""
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(prompt_seed)).tolist()
+    dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=TORCH)
+    return dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
+
+
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
 def test_step_kernel_matches_torch_path(cfg):
     """float32: output, the commit scratch (k, U, c) and the conv rows equal the torch path's."""
@@ -136,10 +147,13 @@ def test_commit_kernel_matches_commit_states(cfg):
             ERR.note("commit", assert_rel(got, ref, 1e-6, f"T={T} node={node}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", "auto")])
 def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, budget):
     """Whole decoders: greedy tokens with the kernels (AR steps fused, every commit through the
-    kernel, ddtree's trees built by the tree kernel, every walk in the walk kernel) equal the torch path's."""
+    kernel, every tree verify's GDN prologue in Triton (inside the one-tile tree kernel up to its
+    tile, ahead of the blocked one past it), ddtree's trees built by the tree kernel, every walk in
+    the walk kernel) equal the torch path's."""
     from ddtree.decode import auto
     from ddtree.decode import decoder as decoding
     from helpers import forced_chooser
@@ -149,6 +163,10 @@ def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, bud
     real, real_walk = decoding.build_tree_kernel, decoding.walk_kernel  # spies: which kernels ran
     monkeypatch.setattr(decoding, "build_tree_kernel", lambda *a, **k: kernel_trees.append(1) or real(*a, **k))
     monkeypatch.setattr(decoding, "walk_kernel", lambda *a, **k: kernel_walks.append(1) or real_walk(*a, **k))
+    prologues = []
+    for name in ("gdn_tree_prologue", "gdn_prologue"):  # the one-tile kernel with it inside; the one ahead of the blocked
+        monkeypatch.setattr(gdn_tree, name, (lambda real: lambda *a, **k: prologues.append(1) or real(*a, **k))(
+            getattr(gdn_tree, name)))
     for fast in (True, False):
         dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST if fast else TORCH)
         if budget == "auto":  # on a GPU the timed choice may be plain steps throughout: force trees in
@@ -159,6 +177,7 @@ def test_decoding_through_the_kernels_equals_torch_path(monkeypatch, method, bud
     assert toks[True] == toks[False]
     assert bool(kernel_trees) == (method == "ddtree")  # ddtree builds its trees in the tree kernel
     assert kernel_walks  # every method walks its verified tree in the walk kernel
+    assert bool(prologues) == (method != "ar")  # every tree verify's prologue in Triton (default tree_prologue)
 
 
 TREE_KERNELS = {
@@ -336,21 +355,6 @@ def test_prologue_kernels_at_any_conv_width(width):
         ERR.note("tree prologue", assert_rel(o, o_ref, 1e-5, f"width={width} T={T}"))
 
 
-@pytest.mark.parametrize("method,budget", [("ddtree", 8)])  # (the chain's shape: the kernel test's T = 16)
-def test_decoding_through_the_prologue_kernel_equals_torch_path(monkeypatch, method, budget):
-    """Whole decoders with every tree verify's GDN layer in the prologue kernel (tree_prologue up
-    to 128 nodes): greedy tokens equal the torch path's, and the kernel was used."""
-    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    calls, real = [], gdn_tree.gdn_tree_prologue
-    monkeypatch.setattr(gdn_tree, "gdn_tree_prologue", lambda *a, **k: calls.append(1) or real(*a, **k))  # a spy
-    toks = {}
-    for on in (True, False):
-        opts = FAST.replace(tree_kernel="on", tree_prologue=128) if on else FAST.replace(tree_kernel="off")
-        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
-        toks[on] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
-    assert toks[True] == toks[False] and calls
-
-
 @pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 8)])
 def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method, budget):
     """Whole decoders with every tree verify's GDN recurrence in the kernel: greedy tokens
@@ -358,15 +362,13 @@ def test_decoding_through_the_tree_kernel_equals_torch_path(monkeypatch, method,
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     calls, real = [], gdn_tree.gdn_tree
     monkeypatch.setattr(gdn_tree, "gdn_tree", lambda *a, **k: calls.append(1) or real(*a, **k))  # a spy
-    toks = {}
-    for on in (True, False):
-        # every size up to 128 nodes in the kernel (the prologue kernel off: this test is about gdn_tree)
-        opts = FAST.replace(tree_kernel="on" if on else "off", tree_prologue=0)
-        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
-        toks[on] = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
-    assert toks[True] == toks[False] and calls
+    # every size up to 128 nodes in the kernel (the prologue kernel off: this test is about gdn_tree)
+    dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST.replace(tree_kernel="on", tree_prologue=0))
+    toks = dec.generate(prompt, method, budget=budget, max_new_tokens=12).token_ids
+    assert toks == _torch_path_tokens(2, method, budget) and calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prologue", [65, 0], ids=["prologue-kernel", "torch-prologue"])
 def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prologue):
     """A 41-node tree (budget 40: past auto's one-tile sizes at this model's dk 8) verified by the
@@ -377,12 +379,9 @@ def test_decoding_through_the_blocked_kernel_equals_torch_path(monkeypatch, prol
     calls, pro, real, real_pro = [], [], gdn_tree.gdn_tree_blocked, gdn_tree.gdn_prologue
     monkeypatch.setattr(gdn_tree, "gdn_tree_blocked", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))  # spies
     monkeypatch.setattr(gdn_tree, "gdn_prologue", lambda *a, **k: pro.append(a[1].shape[0]) or real_pro(*a, **k))
-    toks = {}
-    for on in (True, False):
-        opts = FAST.replace(tree_prologue=prologue) if on else FAST.replace(tree_kernel="off")
-        dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=opts)
-        toks[on] = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
-    assert toks[True] == toks[False] and calls and set(calls) == {41}
+    dec, _ = build_random_pair("hybrid", seed=3, device=DEV, options=FAST.replace(tree_prologue=prologue))
+    toks = dec.generate(prompt, "ddtree", budget=40, max_new_tokens=12).token_ids
+    assert toks == _torch_path_tokens(4, "ddtree", 40) and calls and set(calls) == {41}
     assert set(pro) == ({41} if prologue else set())
 
 

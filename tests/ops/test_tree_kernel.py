@@ -37,6 +37,7 @@ def _kernel_tree(lp, ids, B, root=7):
     return [x.cpu() for x in t]
 
 
+@pytest.mark.slow
 def test_kernel_equals_heap_without_ties():
     """Random depths, top-k widths and budgets (beams narrower than the budget included) and the
     real shapes (15 positions, K = budget = 8..64): every output equals the heap's tree."""
@@ -57,6 +58,7 @@ def test_kernel_equals_heap_without_ties():
     assert shallow >= 10  # the early out was exercised
 
 
+@pytest.mark.slow
 def test_kernel_with_ties_builds_a_best_first_tree():
     """Log-probs on a coarse grid (many exact ties, including zeros): a valid best-first tree
     (parents first, distinct prefixes, tokens / ranks / depths / mask consistent, the same multiset
