@@ -189,7 +189,7 @@ TREE_KERNELS = {
     "gdn_tree_blocked16_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=True),
     "gdn_tree_blocked64": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=64, root=False),
     "gdn_tree_blocked64_root": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=64, root=True),
-    "gdn_tree_blocked64_loop": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=64, root=False, loop=True),
+    "gdn_tree_blocked64_unrolled": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=64, root=False, loop=False),
     "gdn_tree_blocked16_chunk16": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=False, chunk=16),
     "gdn_tree_blocked16_root_chunk16": lambda *a: gdn_tree.gdn_tree_blocked(*a, block=16, root=True, chunk=16),
 }
