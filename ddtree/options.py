@@ -12,7 +12,6 @@ package reads the environment for these.
     tree_kernel      DDTREE_TRITON_TREE       auto      tree verify's GDN recurrence in one kernel: auto (small tiles in one, larger trees by blocks), on (one up to 128 nodes; 64 on sm_86), off
     tree_precision   DDTREE_TREE_PRECISION    tf32x3    that kernel's tile products: tf32x3 (fp32-grade on tensor cores) or ieee
     tree_prologue    DDTREE_TREE_PROLOGUE     65        the GDN prologue in Triton for trees of up to N nodes: inside the one-tile tree kernel, or one kernel ahead of the blocked one (0: off)
-    pdl              DDTREE_PDL=1             off       a tree verify's GDN kernels launched as programmatic dependents (Hopper): each starts while the one ahead drains (experimental)
     attention        DDTREE_ATTENTION         auto      tree / decode attention: auto (the split-KV kernel where it runs), kernel, sdpa (dense-mask twin)
     prefill_attention DDTREE_PREFILL_ATTENTION auto     prefill attention: auto (cuDNN for long chunks, FlashAttention-2 for short ones, each the other's fallback, else the split-KV kernel), cudnn, flash, triton, efficient
     verify_fused     DDTREE_VERIFY_FUSED      auto      a verify's long committed prefix through cuDNN's attention, the rest by the split-KV kernel: auto (Hopper), on (any CUDA GPU), off
@@ -86,10 +85,6 @@ class Options:
                                   _choice("tf32x3", "ieee"), default="tf32x3")
     tree_prologue: int = _switch("DDTREE_TREE_PROLOGUE", "the GDN prologue in Triton (inside the one-tile tree kernel, or ahead of the blocked one) up to this many nodes (0: off)",
                                  _count, default=65)
-    pdl: bool = _switch("DDTREE_PDL", "a tree verify's GDN kernels (prologue, passes, gated norm) launched as programmatic "
-                        "dependents on Hopper and later: each launches while the one ahead drains and waits for it in the kernel "
-                        "(on an H100 no faster at 17 / 33 nodes, 0.5 ms slower a verify at 64 / 65)",
-                        _on_when_set, experimental=True, default=False)
     attention: str = _switch("DDTREE_ATTENTION", "tree/decode attention: auto, kernel (split-KV), sdpa (dense-mask twin)",
                              _choice("auto", "kernel", "sdpa"), default="auto")
     prefill_attention: str = _switch("DDTREE_PREFILL_ATTENTION",

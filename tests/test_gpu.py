@@ -210,15 +210,14 @@ def test_tree_kernel_up_to_128_nodes_under_graphs_equals_torch_path():
     """The tree-verify kernels (tree_kernel=on: the one-tile kernel up to 128 nodes, or as many as
     fit the GPU's shared memory, 64 on sm_86, with and without the prologue; auto: one tile up to
     32 nodes here, 17 in a 16-node tile after the root, by blocks past it: budgets 16, 40 and 64,
-    after the prologue kernel or the torch prologue; the mixer's kernels as programmatic dependents,
-    DDTREE_PDL, on Hopper) on the GPU: compiled layers (the kernels run between compiled pieces)
-    inside CUDA graphs give the torch path's greedy tokens for dflash and ddtree."""
+    after the prologue kernel or the torch prologue) on the GPU: compiled layers (the kernels run between
+    compiled pieces) inside CUDA graphs give the torch path's greedy tokens for dflash and ddtree."""
     from ddtree.options import Options
 
     prompt = torch.randint(2, 97, (60,), generator=torch.Generator().manual_seed(0)).tolist()
     toks = {}
     for opts in (Options(tree_kernel="on", tree_prologue=0), Options(tree_kernel="on", tree_prologue=128),
-                 Options(), Options(pdl=True), Options(tree_prologue=0), Options(tree_kernel="off")):
+                 Options(), Options(tree_prologue=0), Options(tree_kernel="off")):
         dec, _ = build_random_pair("hybrid", seed=5, device="cuda", options=opts)
         toks[opts] = [dec.generate(prompt, m, budget=b, max_new_tokens=32).token_ids
                       for m, b in (("dflash", 1), ("ddtree", 8), ("ddtree", 16), ("ddtree", 40), ("ddtree", 64))]
@@ -231,8 +230,7 @@ def test_tree_verify_at_27b_shapes_equals_tree_wy(precision):
     value heads of 128 over 16 key heads), float32, random trees of 16 / 17 / 33 / 65 nodes: the
     one-tile kernel with its prologue (16 nodes; 17 with the root folded into the state first) and
     the path past one tile (the prologue kernel + the two-pass blocked kernel, its rule's blocks and
-    root fold; the per-head first pass's squarings unrolled and in a loop; each path's kernels also
-    as programmatic dependents, DDTREE_PDL): outputs and commit scratch."""
+    root fold; the per-head first pass's squarings unrolled and in a loop): outputs and commit scratch."""
     from helpers import assert_rel
 
     from ddtree.model.presets import qwen36_27b_config
@@ -267,14 +265,12 @@ def test_tree_verify_at_27b_shapes_equals_tree_wy(precision):
         tol = 2e-5 if precision == "tf32x3" else 1e-5
         paths = {}
         if T <= 17:  # (larger tiles at dk 128 are not the engine's path)
-            for pdl in (False, True):  # (launched as a programmatic dependent on Hopper, else plainly)
-                paths[f"one tile pdl={pdl}"] = lambda out, pdl=pdl: gdn_tree.gdn_tree_prologue(
-                    layer, proj, ext, s.window, layer.rec_state, mask, out, precision, pdl=pdl)
+            paths["one tile"] = lambda out: gdn_tree.gdn_tree_prologue(layer, proj, ext, s.window, layer.rec_state,
+                                                                       mask, out, precision)
         if T >= 17:
-            for loop, pdl in ((False, False), (True, False), (False, True)):  # (the per-head pass's squarings in a loop: 65)
-                paths[f"blocked loop={loop} pdl={pdl}"] = lambda out, loop=loop, pdl=pdl: gdn_tree.gdn_tree_blocked(
-                    *gdn_tree.gdn_prologue(layer, proj, ext, s.window, pdl=pdl), layer.rec_state, mask, out, precision,
-                    loop=loop, pdl=pdl)
+            for loop in (False, True):  # (the per-head first pass's squarings unrolled or in a loop: 65 nodes)
+                paths[f"blocked loop={loop}"] = lambda out, loop=loop: gdn_tree.gdn_tree_blocked(
+                    *gdn_tree.gdn_prologue(layer, proj, ext, s.window), layer.rec_state, mask, out, precision, loop=loop)
         for name, run in paths.items():
             got = scratch()
             assert_rel(run(got), o_ref, tol, f"{name} vs tree_wy T={T}")

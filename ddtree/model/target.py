@@ -364,13 +364,12 @@ def tree_mixer(layer: GatedDeltaNet, proj: torch.Tensor, ext: torch.Tensor, wind
     -> [T, hv * dv] in the model dtype."""
     T = proj.shape[0]
     if kn.tree(T, layer.dk):
-        o = gdn_tree.gdn_tree_prologue(layer, proj, ext, window, layer.rec_state, path_mask, scratch, kn.tree_precision,
-                                       pdl=kn.pdl)
+        o = gdn_tree.gdn_tree_prologue(layer, proj, ext, window, layer.rec_state, path_mask, scratch, kn.tree_precision)
     else:
-        o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, window, pdl=kn.pdl), layer.rec_state,
-                                      path_mask, scratch, kn.tree_precision, pdl=kn.pdl)
+        o = gdn_tree.gdn_tree_blocked(*gdn_tree.gdn_prologue(layer, proj, ext, window), layer.rec_state, path_mask,
+                                      scratch, kn.tree_precision)
     z = proj[:, layer.conv_dim : layer.conv_dim + layer.hv * layer.dv]
-    return gated_norm.gated_norm(o, z, layer.norm.weight, layer.norm.eps, proj.dtype, pdl=kn.pdl)
+    return gated_norm.gated_norm(o, z, layer.norm.weight, layer.norm.eps, proj.dtype)
 
 
 @eager

@@ -62,7 +62,6 @@ class Kernels:
     fla: bool = False  # fla's chunk kernel for prefill chains (CUDA, installed, self-checked)
     prefill_attention: str = "auto"  # ddtree.ops.attention.prefill_attention's backend (auto: math on CPU)
     fused_prefix: bool = False  # a verify's committed prefix through cuDNN's attention (tree_attention's floor)
-    pdl: bool = False  # a tree verify's GDN kernels as programmatic dependents (triton_util.pdl_args)
 
     def tree(self, T: int, dk: int) -> bool:
         """The one-kernel tree verify for a T-node tree of key width dk? Its tile holds the nodes
@@ -107,7 +106,6 @@ def resolve(options: Options, device: torch.device | str, props=None) -> Kernels
         fla=options.fla and dev.type == "cuda",
         prefill_attention=options.prefill_attention if dev.type == "cuda" else "auto",
         fused_prefix=attention == "kernel" and _fused_prefix(options, dev, a),
-        pdl=tri and options.pdl and dev.type == "cuda" and triton_util.pdl_ok(a),
     )
 
 

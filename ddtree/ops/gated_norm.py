@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-# (pdl_enter: the kernel's device function under PDL)
-from ddtree.ops.triton_util import _kernel, _on_device_of, pdl_args, pdl_enter, tl, triton  # noqa: F401
+from ddtree.ops.triton_util import _kernel, _on_device_of, tl, triton
 
 ROWS = 8  # (node, head) rows a program: 816 rows of a 17-node verify at the 27B's 48 heads in 102 programs
 
@@ -34,10 +33,8 @@ def _gated_rms(x, w, z, eps, DV: tl.constexpr, dt: tl.constexpr):
 
 
 def _gated_norm_kernel(o, z, w, out, n_rows, HV, s_ot, s_zt, s_outt, eps,
-                       DV: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
+                       DV: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
     # One program per BR rows; row r is node r // HV, head r % HV, its channels contiguous.
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
-        pdl_enter()
     f32 = tl.float32
     dt = out.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -51,12 +48,10 @@ def _gated_norm_kernel(o, z, w, out, n_rows, HV, s_ot, s_zt, s_outt, eps,
     tl.store(out + t[:, None] * s_outt + h[:, None] * DV + ov[None, :], y, mask=m)
 
 
-def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
-               pdl: bool = False) -> torch.Tensor:
+def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
     """GatedRMSNorm(o.to(dtype), z) in one launch. o [T, hv, dv] (fp32 from the tree kernels;
     channels and heads contiguous); z [T, hv * dv] in `dtype` (a column slice of the projection:
-    any row stride); weight [dv]; pdl: launched as a programmatic dependent of the tree kernel
-    ahead of it (triton_util.pdl_args; Hopper and later, else ignored). -> [T, hv * dv] in `dtype`."""
+    any row stride); weight [dv]. -> [T, hv * dv] in `dtype`."""
     T, hv, dv = o.shape
     assert o.stride(2) == 1 and o.stride(1) == dv and z.stride(1) == 1 and z.shape == (T, hv * dv)
     out = torch.empty(T, hv * dv, dtype=dtype, device=o.device)
@@ -64,7 +59,7 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     with _on_device_of(o):
         kern[(triton.cdiv(T * hv, ROWS),)](
             o, z, weight, out, T * hv, hv, o.stride(0), z.stride(0), out.stride(0), eps,
-            DV=dv, BV=triton.next_power_of_2(dv), BR=ROWS, num_warps=4, **pdl_args(pdl, o.device),
+            DV=dv, BV=triton.next_power_of_2(dv), BR=ROWS, num_warps=4,
         )
     return out
 

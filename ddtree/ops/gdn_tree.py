@@ -17,8 +17,7 @@ import torch
 
 from ddtree.ops import triton_util
 from ddtree.ops.eager import eager
-# (pdl_enter: the kernels' device function under PDL)
-from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, pdl_args, pdl_enter, tl, triton  # noqa: F401
+from ddtree.ops.triton_util import Arch, _kernel, _on_device_of, tl, triton
 from ddtree.ops.triton_util import tile as _tile
 
 MAX_NODES = 128  # one program holds a whole tree: [T, T] tiles
@@ -161,15 +160,13 @@ def _gdn_tree_kernel(
     ext, window, conv_w, proj, neg_a, dt_bias, s_pt, C, HV,  # PROLOGUE only (else unused)
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NSQ: tl.constexpr, PREC: tl.constexpr,
-    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr, ROOT: tl.constexpr, PDL: tl.constexpr,
+    PROLOGUE: tl.constexpr, REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr, ROOT: tl.constexpr,
 ):
     # One program per (value head, block of BV value channels): the solve is column-wise in v, so
     # the blocks are independent; each recomputes the [T, T] masks (cheap) and keeps few live tiles.
     # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step,
     # S' = e^g0 S + k0 u0^T, and the tile takes nodes 1.. against S' (decays relative to it), S'
     # never formed (_root_row): a tree of 16m + 1 nodes fits the tile of 16m (as the solve's ROOT).
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
-        pdl_enter()
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0  # writes the head's k and c scratch
@@ -246,13 +243,11 @@ def _gdn_prologue_kernel(
     ext, window, conv_w, proj, neg_a, dt_bias, q, k, v, g, beta,
     s_pt, C, HV, s_qt, s_qh, s_vt, s_vh, s_gt,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr, PDL: tl.constexpr,
+    REP: tl.constexpr, KD: tl.constexpr, W: tl.constexpr,
 ):
     # GatedDeltaNet.qkvgb's tree convolution + SiLU, norms, head repeat and gates in one launch:
     # one program per (block of BR nodes, value head), its q / k recomputed per value head (REP
     # times, cheaper than a second launch). q, k [T, HV, DK], v [T, HV, DV], g, beta [T, HV] fp32.
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
-        pdl_enter()
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     h = tl.program_id(1)
     ok = tl.arange(0, BK)
@@ -295,7 +290,7 @@ def _gdn_tree_mats_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr, LD: tl.constexpr, PDL: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, DC: tl.constexpr, LD: tl.constexpr,
 ):
     # The blocked recurrence's first pass: everything that does not depend on the values, one
     # program per (block b of SB nodes, value head). Row block b of the per-head matrices over the
@@ -305,8 +300,6 @@ def _gdn_tree_mats_kernel(
     # q_i.k_j over ancestors and the node itself (c <= b). Also the commit scratch's k and c rows.
     # Blocks above the diagonal are never written nor read. The key products run in chunks of DC
     # channels (_kdots): whole [SB, BK] tiles held in registers spilled 0.9-1.3 KB a thread.
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
-        pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1)
     f32 = tl.float32
@@ -352,7 +345,7 @@ def _gdn_tree_mats_head_kernel(
     q, k, g, beta, mask, wm, pm, kbuf, cbuf,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, s_kbh, s_kbt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr, LOOP: tl.constexpr, PDL: tl.constexpr,
+    NSQ: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr, LOOP: tl.constexpr,
 ):
     # _gdn_tree_mats_kernel's matrices for a whole head in one program: [BN, BN] tiles over the
     # nodes after the root (BN >= 64: the tile products are warp-group MMAs on Hopper, and no
@@ -360,8 +353,6 @@ def _gdn_tree_mats_head_kernel(
     # block-diagonal part.
     # The tile holds every node after the root (BN >= T - ROOT), so each path sums over the tile's
     # [BN, BN] mask, plus the root's log-decay (an ancestor of every node).
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
-        pdl_enter()
     h = tl.program_id(0)
     f32 = tl.float32
     on = tl.arange(0, BN)
@@ -396,7 +387,7 @@ def _gdn_tree_solve_kernel(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_kbh, s_kbt, s_ubh, s_ubt, s_cbh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr, PDL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr, LD: tl.constexpr,
 ):
     # The blocked recurrence's second pass, one program per (value head, block of BV value
     # channels), the blocks in order (ancestors come first): U[b] = wm[b, b] (R[b] - sum_c<b
@@ -406,8 +397,6 @@ def _gdn_tree_solve_kernel(
     # ROOT: node 0 is an ancestor of every node (a verify tree's root). It is one delta-rule step
     # first, S' = e^g0 S + k0 u0^T, and the blocks take nodes 1.. against S' with decays relative
     # to it (e^(c - g0)): a tree of 16m + 1 nodes is m whole blocks.
-    if PDL:  # launched as a programmatic dependent (triton_util.pdl_args)
-        pdl_enter()
     h = tl.program_id(0)
     vb = tl.program_id(1)
     first = vb == 0
@@ -459,7 +448,7 @@ def _gdn_tree_solve_kernel(
 @eager
 def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None,
                      block: int | None = None, root: bool | None = None, chunk: int | None = None,
-                     loop: bool | None = None, pdl: bool = False):
+                     loop: bool | None = None):
     """gdn_tree by blocks of `block` nodes, for the trees the one-tile kernel does not take
     (ddtree.ops.dispatch), in two passes: the matrices that do not depend on the values (the
     masks, the cross terms, each block's inverse), then the blocks in order
@@ -470,8 +459,7 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     every node (true of every verify tree; not checked), folded into the state first; None:
     where that saves a block (fold_root); chunk: the first pass's key products in chunks of this
     many channels (None: MATS_CHUNK); loop: the per-head first pass's squarings in a loop instead
-    of unrolled (None: HEAD_LOOP); pdl: both passes launched as programmatic dependents
-    (triton_util.pdl_args; Hopper and later, else ignored)."""
+    of unrolled (None: HEAD_LOOP)."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     strides = _input_strides(q, k, v, g, beta)
@@ -485,9 +473,8 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
     LD = max(16, -(-(T - root) // 16) * 16)  # the nodes after the root, rows aligned to 16 elements
     wm, pm = (torch.empty(H, LD, LD, dtype=torch.float32, device=S0.device) for _ in range(2))
     mat_args = (q, k, g, beta, mask, wm, pm, kb, cb, *strides[:4], *strides[6:], kb.stride(0), kb.stride(1), cb.stride(0))
-    pa = pdl_args(pdl, S0.device)  # (the same for both passes)
     consts = dict(T=T, DK=dk, SB=block, BK=_tile(dk), PREC=prec, ROOT=int(root), LD=LD,
-                  NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4, **pa)
+                  NSQ=max(0, (min(T - root, block) - 1).bit_length() - 1), num_warps=4)
     chunk = MATS_CHUNK if chunk is None else chunk
     solve = _kernel(_gdn_tree_solve_kernel, interpret=not S0.is_cuda)
     with _on_device_of(S0):
@@ -502,17 +489,16 @@ def gdn_tree_blocked(q, k, v, g, beta, S0, path_mask, out, precision: str = "iee
             *strides, o.stride(0), o.stride(1),
             kb.stride(0), kb.stride(1), ub.stride(0), ub.stride(1), cb.stride(0),
             T=T, DK=dk, DV=dv, SB=block, BK=_tile(dk), BV=BV, PREC=prec, ROOT=int(root), LD=LD, num_warps=warps,
-            **pa,
         )
     return o
 
 
 @eager
-def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, pdl: bool = False):
+def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor):
     """GatedDeltaNet.qkvgb's q, k, v, g, beta for a tree from its projection in one kernel
     (_gdn_prologue_kernel), for the blocked recurrence (the one-tile kernel has it inside:
     gdn_tree_prologue). proj [T, N]; ext [hist + T, C]; window [T, width]. -> q, k [T, hv, dk],
-    v [T, hv, dv], g, beta [T, hv], all fp32; pdl: as gdn_tree_blocked's. Twin: qkvgb
+    v [T, hv, dv], g, beta [T, hv], all fp32. Twin: qkvgb
     (tests/ops/test_gdn_kernels.py)."""
     T, dev = proj.shape[0], proj.device
     ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
@@ -525,7 +511,6 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
             ext_, window_, w, proj_, neg_a, dt_bias, q, k, v, g, beta,
             s_pt, C, hv, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
             T=T, DK=layer.dk, DV=layer.dv, BR=16, BK=_tile(layer.dk), BV=_tile(layer.dv), REP=rep, KD=kd, W=width,
-            **pdl_args(pdl, dev),
         )
     return q, k, v, g, beta
 
@@ -580,30 +565,29 @@ def tile_root(T: int) -> bool:
 
 
 @eager  # the sizes are constexpr (T is dynamic in the compiled layer): run it between compiled pieces
-def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, root: bool | None = None,
-             pdl: bool = False):
+def gdn_tree(q, k, v, g, beta, S0, path_mask, out, precision: str = "ieee", tiles=None, root: bool | None = None):
     """`gdn.tree_wy` for T > 1 in one kernel (one program per value head and block of value
     channels), writing the commit scratch `out` = (k [H, T, dk], U [H, T, dv], c [H, T]) as tree_wy
     does. q, k [T, H, dk] fp32; v [T, H, dv]; g, beta [T, H] fp32; S0 [H, dk, dv] fp32;
     path_mask [T, T] bool; tiles: (BV, warps) instead of launch_tiles' (sweeps); root: node 0 is
     an ancestor of every node (true of every verify tree; not checked), folded into the state
-    first; None: tile_root's rule; pdl: as gdn_tree_blocked's. -> o [T, H, dv] fp32."""
+    first; None: tile_root's rule. -> o [T, H, dv] fp32."""
     T, H, dk = q.shape
     strides = _input_strides(q, k, v, g, beta)
     return _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, v.shape[-1], None, precision, tiles,
-                        root, pdl)
+                        root)
 
 
 @eager
 def gdn_tree_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Tensor, S0, path_mask, out,
-                      precision: str = "ieee", tiles=None, root: bool | None = None, pdl: bool = False):
+                      precision: str = "ieee", tiles=None, root: bool | None = None):
     """The tree verify of GDN layer `layer` from its projection: the tree convolution + SiLU, q/k
     l2 norms, head repeat and gates (GatedDeltaNet.qkvgb) and then gdn_tree's recurrence, in one
     kernel. proj [T, N] the fused input projection (qkv | z | b | a); ext [hist + T, C] the conv
     inputs (state rows, then proj's qkv); window [T, width]. -> o [T, hv, dv] fp32, `out` written
-    as gdn_tree writes it; root and pdl as gdn_tree's. Twin: qkvgb + gdn_tree (tests/ops/test_gdn_kernels.py)."""
+    as gdn_tree writes it; root as gdn_tree's. Twin: qkvgb + gdn_tree (tests/ops/test_gdn_kernels.py)."""
     return _launch_tree(proj, proj, proj, proj, proj, (0,) * 10, S0, path_mask, out, proj.shape[0], layer.hv,
-                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles, root, pdl)
+                        layer.dk, layer.dv, _prologue_args(layer, proj, ext, window), precision, tiles, root)
 
 
 def _prologue_args(layer, proj, ext, window) -> tuple:
@@ -655,7 +639,7 @@ def _mask_and_output(path_mask, out, S0, T: int, H: int, dv: int):
 
 
 def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pro, precision, tiles=None,
-                 root: bool | None = None, pdl: bool = False):
+                 root: bool | None = None):
     mask, o = _mask_and_output(path_mask, out, S0, T, H, dv)
     kb, ub, cb = out
     n = tile_nodes(T, root)  # the tile's nodes (after the root, folded)
@@ -674,7 +658,7 @@ def _launch_tree(q, k, v, g, beta, strides, S0, path_mask, out, T, H, dk, dv, pr
             T=T, DK=dk, DV=dv, BT=BT, BK=_tile(dk), BV=BV,
             NSQ=max(0, (n - 1).bit_length() - 1), num_warps=warps, ROOT=T - n,
             PREC=triton_util.dot_precision(precision, triton_util.arch(S0.device)),
-            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11], **pdl_args(pdl, S0.device),
+            PROLOGUE=prologue, REP=pro[9], KD=pro[10], W=pro[11],
         )
     return o
 

@@ -136,33 +136,3 @@ def dot_precision(requested: str, a: Arch | None) -> str:
 def tile(n: int) -> int:
     """A tile side for n rows or channels: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(16, 1 << (n - 1).bit_length())
-
-
-def pdl_ok(a: Arch | None) -> bool:
-    """Programmatic dependent launch (griddepcontrol) on `a`: Hopper and later."""
-    return a is not None and a.major >= 9
-
-
-def pdl_args(pdl: bool, device) -> dict:
-    """A PDL kernel's launch arguments (pdl_enter inside, under its PDL constexpr): launched as a
-    programmatic dependent of the kernel ahead of it in the stream (or the graph) where asked and
-    `device` has it (pdl_ok), else plainly."""
-    on = bool(pdl) and pdl_ok(arch(device))
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
-
-
-def _pdl_enter():
-    """The top of a kernel launched as a programmatic dependent (pdl_args): its launch and its
-    programs' start overlap the kernel ahead of it; they wait here until that kernel has finished
-    and its writes are visible (before any load or store: a buffer it reads may be ours to
-    write), then let the next such kernel launch early in turn."""
-    gdc_wait()
-    gdc_launch_dependents()
-
-
-if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    pdl_enter = triton.jit(_pdl_enter)
-else:
-    pdl_enter = None

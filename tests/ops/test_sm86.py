@@ -422,55 +422,6 @@ def test_largest_launches_compile_for_sm90_too(sm86):
     print("\nlargest shared memory per kernel, bytes:\n" + "\n".join(lines))
 
 
-GDN_MIXER_KERNELS = {16: {"_gdn_tree_kernel", "_gated_norm_kernel"}, 17: {"_gdn_tree_kernel", "_gated_norm_kernel"},
-                     33: {"_gdn_prologue_kernel", "_gdn_tree_mats_kernel", "_gdn_tree_solve_kernel", "_gated_norm_kernel"},
-                     65: {"_gdn_prologue_kernel", "_gdn_tree_mats_head_kernel", "_gdn_tree_solve_kernel", "_gated_norm_kernel"}}
-
-
-def _mixer_launches(monkeypatch, props, T: int, opt: Options) -> list[Launch]:
-    """The Triton launches of a Qwen3.6-27B GDN layer's tree verify of T nodes, as the model makes them."""
-    log: list = []
-    _recording(monkeypatch, props, log)
-    tc = _pair("qwen3.6-27b")[0]
-    with torch.device(META):
-        layer = GatedDeltaNet(tc).to(torch.bfloat16)
-    GDNGroup([layer], META, torch.bfloat16, 128)  # the scratch and states the kernels read
-    z = torch.zeros(T, dtype=torch.long, device=META)
-    s = Step(positions=z, path_mask=torch.empty(T, T, dtype=torch.bool, device=META),
-             window=torch.empty(T, layer.width, dtype=torch.long, device=META), attn_mask=None, cos=None, sin=None,
-             start=z[0], kv_len=T, kernels=dispatch.resolve(opt, "cuda", props))
-    with torch.no_grad():
-        layer(torch.empty(T, tc.hidden_size, dtype=torch.bfloat16, device=META), s)
-    return log
-
-
-def test_pdl_launches_every_gdn_mixer_kernel_as_a_dependent(monkeypatch):
-    """DDTREE_PDL on Hopper: every kernel of a tree verify's GDN mixer (the one tile at 16 / 17
-    nodes; the prologue kernel and both passes at 33 / 65; the gated norm) launches with
-    launch_pdl and PDL set (pdl_enter first in the kernel). Off, or on an A6000, none does."""
-    for T, names in GDN_MIXER_KERNELS.items():
-        for props, pdl in ((H200, True), (H200, False), (A6000, True)):
-            log = _mixer_launches(monkeypatch, props, T, Options(pdl=pdl))
-            mixer = [x for x in log if x.fn.__name__ in names]
-            if props is A6000 and T == 65:
-                names = names - {"_gdn_tree_mats_head_kernel"} | {"_gdn_tree_mats_kernel"}  # 16-node blocks there
-                mixer = [x for x in log if x.fn.__name__ in names]
-            assert {x.fn.__name__ for x in mixer} == names, (T, props.name)
-            on = pdl and props is H200
-            assert all(bool(x.kwargs.get("launch_pdl")) == on and x.kwargs["PDL"] == on for x in mixer), (T, props.name, pdl)
-
-
-@compiles
-def test_pdl_kernels_compile_for_sm90(monkeypatch):
-    """Those launches compile for sm_90, each waiting for the kernel ahead (griddepcontrol.wait in the PTX)."""
-    jobs = [j for T in GDN_MIXER_KERNELS for j in distinct(_mixer_launches(monkeypatch, H200, T, Options(pdl=True)), 90)
-            if constexprs(j).get("PDL")]
-    assert {j["fn"] for j in jobs} == set().union(*GDN_MIXER_KERNELS.values())
-    for j, r in zip(jobs, compile_jobs(jobs)):
-        assert r["ok"], f"{label(j)}: {r['error']}"
-        assert r["gdc_wait"] >= 1, label(j)
-
-
 # ----------------------------------------------------------------------------- the choices
 def _arch(props) -> triton_util.Arch:
     return triton_util.Arch.from_props(props)

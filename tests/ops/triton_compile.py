@@ -9,8 +9,7 @@ attrs [[index, [[name, value]]]], num_warps, num_stages (or null), cc}. stdout: 
 job, {ok, error, shared (bytes of dynamic shared memory per block), regs, stack (bytes of
 per-thread local memory: spills), barriers (BAR.SYNC in the SASS), sass (its instructions: the
 code each SM fetches, from HBM where a GEMM has swept the L2 just before), tf32_mma and tf32_cvt
-(counts in the PTX), gdc_wait (griddepcontrol.wait in the PTX: programmatic dependent
-launch), seconds}.
+(counts in the PTX), seconds}.
 Compiled kernels land in Triton's own cache, so a job seen before costs a cache read. Jobs run
 on DDTREE_COMPILE_WORKERS processes (default: the CPU count, at most 8).
 """
@@ -54,7 +53,7 @@ def compile_one(job: dict) -> dict:
     from triton.compiler import ASTSource
 
     t0 = time.time()
-    out = {"ok": False, "error": None, "shared": None, "regs": None, "stack": None, "barriers": None, "sass": None, "tf32_mma": 0, "tf32_cvt": 0, "gdc_wait": 0}
+    out = {"ok": False, "error": None, "shared": None, "regs": None, "stack": None, "barriers": None, "sass": None, "tf32_mma": 0, "tf32_cvt": 0}
     try:
         from ddtree.ops import triton_util
 
@@ -67,8 +66,7 @@ def compile_one(job: dict) -> dict:
         k = triton.compile(src, target=GPUTarget("cuda", job["cc"], 32), options=opts)
         ptx = k.asm["ptx"]
         out.update(ok=True, shared=int(k.metadata.shared), **_resources(k.asm["cubin"], job["cc"]),
-                   tf32_mma=len(re.findall(r"mma\.sync\.aligned\.\S*\.tf32", ptx)), tf32_cvt=ptx.count("cvt.rna.tf32.f32"),
-                   gdc_wait=ptx.count("griddepcontrol.wait"))
+                   tf32_mma=len(re.findall(r"mma\.sync\.aligned\.\S*\.tf32", ptx)), tf32_cvt=ptx.count("cvt.rna.tf32.f32"))
     except Exception as e:  # the caller reports it with the job
         out["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
     out["seconds"] = round(time.time() - t0, 2)
