@@ -498,8 +498,7 @@ def gdn_prologue(layer, proj: torch.Tensor, ext: torch.Tensor, window: torch.Ten
     """GatedDeltaNet.qkvgb's q, k, v, g, beta for a tree from its projection in one kernel
     (_gdn_prologue_kernel), for the blocked recurrence (the one-tile kernel has it inside:
     gdn_tree_prologue). proj [T, N]; ext [hist + T, C]; window [T, width]. -> q, k [T, hv, dk],
-    v [T, hv, dv], g, beta [T, hv], all fp32. Twin: qkvgb
-    (tests/ops/test_gdn_kernels.py)."""
+    v [T, hv, dv], g, beta [T, hv], all fp32. Twin: qkvgb (tests/ops/test_gdn_kernels.py)."""
     T, dev = proj.shape[0], proj.device
     ext_, window_, w, proj_, neg_a, dt_bias, s_pt, C, hv, rep, kd, width = _prologue_args(layer, proj, ext, window)
     q, k = (torch.empty(T, hv, layer.dk, dtype=torch.float32, device=dev) for _ in range(2))
