@@ -23,6 +23,10 @@ import torch  # noqa: E402
 # decorated at import). With a GPU the kernels are compiled and tested on it.
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # tests/triton_interpreter.py: less bookkeeping a call
+    from triton_interpreter import install as _lighter_interpreter
+
+    _lighter_interpreter()
 
 torch.set_num_threads(1)  # (where a plugin imported torch first)
 
