@@ -23,11 +23,9 @@ def install() -> bool:
         import triton
         import triton.language as tl
         from triton.runtime import interpreter as itp
-
-        needed = (itp._patch_builtin, itp._patch_attr, itp._patch_lang, itp._LangPatchScope, itp.GridExecutor.__call__)
-    except (ImportError, AttributeError):
+    except ImportError:
         return False
-    if not triton.__version__.startswith("3.6.") or getattr(itp, "_ddtree_fast", False) or list(inspect.signature(needed[0]).parameters) != ["pkg", "builder", "scope"]:
+    if not triton.__version__.startswith("3.6.") or getattr(itp, "_ddtree_fast", False):  # the internals patched are 3.6's
         return False
     original_patch_lang, original_launch = itp._patch_lang, itp.GridExecutor.__call__
     builtin_names: dict[object, list[str]] = {}  # module or class -> its builtins' names, listed unpatched
