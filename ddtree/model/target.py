@@ -98,8 +98,7 @@ class Attention(nn.Module):
         self.k_cache.index_copy_(0, slots, k)
         self.v_cache.index_copy_(0, slots, v)
         if s.attn_mask is None:  # the split-KV kernel: each K/V row read once for every node and query head
-            o = tree_attention(q, self.k_cache, self.v_cache, s.start, s.path_mask, s.kv_len, floor=s.floor,
-                               rooted=True).reshape(T, -1)  # node 0: every verify tree's root
+            o = tree_attention(q, self.k_cache, self.v_cache, s.start, s.path_mask, s.kv_len, floor=s.floor).reshape(T, -1)
         else:  # the twin: SDPA with the dense [T, kv_len] mask
             S = s.attn_mask.shape[-1]  # = s.kv_len, read from a shape so that compiled code keeps it symbolic
             kk = self.k_cache[:S].transpose(0, 1)[None]  # [1, kvh, S, hd]

@@ -245,7 +245,6 @@ def _attn_fwd_kernel(
     WINDOW: tl.constexpr, TWO_SIDED: tl.constexpr, FUSED: tl.constexpr, IEEE: tl.constexpr,
     MERGE_LAST: tl.constexpr,  # the last split of each (m-tile, KV head) to finish merges (cnt: arrivals)
     FENCE: tl.constexpr,  # gpu-scope fences around the arrival (CUDA; the interpreter runs programs in turn)
-    ROOTED: tl.constexpr,  # every node sees node 0, and T = BN m + 1 (its key may ride in the prefix's last tile)
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -273,12 +272,6 @@ def _attn_fwd_kernel(
         chunk = tl.cdiv(tl.cdiv(tl.maximum(end - p0, 0), NS), BN) * BN
         lo = p0 + split * chunk
         hi = tl.minimum(lo + chunk, end)
-    r0 = 0  # the tree's first key in the tree loop
-    if ROOTED:  # the root's key (row start, seen by every node) in the last range's last key tile where
-        # it has room: the tree's BN m + 1 keys then take m tiles, not m + 1 (a whole tile for one key)
-        n = hi - lo
-        r0 = ((split == NS - 1) & (hi == start) & (n > 0) & (n % BN != 0)).to(tl.int32)
-        hi += r0
     kb = kc + kvh * s_kh
     vb = vc + kvh * s_vh
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -316,7 +309,7 @@ def _attn_fwd_kernel(
         t_hi = T
         if TREE == 1:  # causal: this tile's last node sees no key past itself
             t_hi = tl.minimum(T, (pid_m * BM + BM - 1) // G + 1)
-        for j0 in range(r0, t_hi, BN):
+        for j0 in range(0, t_hi, BN):
             oj = j0 + tl.arange(0, BN)
             on = start + oj
             n_ok = (oj < t_hi) & (on < kv_len)
@@ -530,7 +523,7 @@ def _fused_prefix(q, k_cache, v_cache, floor: int, fused: str, window, sc_nat: f
 
 def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=None, window=None, scale=None,
                    *, causal: bool = True, out=None, splits: int | None = None, tiles: Tiles | None = None,
-                   floor: int = 0, fused: str = "auto", merge: str = "auto", rooted: bool = False) -> torch.Tensor:
+                   floor: int = 0, fused: str = "auto", merge: str = "auto") -> torch.Tensor:
     """Attention of T new tokens over a KV cache: the committed prefix [0, start) unmasked plus
     the tokens' own keys (rows start..start+T-1, already written) under tree_mask.
 
@@ -560,11 +553,6 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
     tree's 64- or 128-row tiles merge serially: a 16-node verify at 1K 0.025 against 0.018 ms;
     082b8a3:results/verify-merge-h200.json). Kernel, too, in a graph capture that would have to
     allocate the counters.
-
-    rooted: every node sees node 0 (a verify tree's root: the caller's word, not checked; causal
-    and full masks always do). For T = BN m + 1 nodes (BN: the tile's keys; an AR step's T = 1
-    too) the root's key then joins the prefix's last key tile where that tile has room, so the
-    tree reads m tiles of its own keys, as one of BN m nodes does, not m + 1.
     -> o [T, H, D] in q's dtype (fp32 accumulation)."""
     T, H, D = q.shape
     KVH = k_cache.shape[1]
@@ -607,7 +595,6 @@ def tree_attention(q, k_cache, v_cache, start, tree_mask, kv_len: int, q_pos=Non
                     v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), *x_args,
                     G=G, D=D, BM=tt.bm, BN=tt.bn, TREE=mode, WINDOW=window is not None, TWO_SIDED=not causal,
                     FUSED=ns == 0, IEEE=q.dtype == torch.float32, MERGE_LAST=cnt is not None, FENCE=q.device.type != "cpu",
-                    ROOTED=(rooted or mode != 0) and T % tt.bn == 1,
                     num_warps=tt.warps, num_stages=tt.stages,
                 )
                 if ns and cnt is None:

@@ -86,9 +86,8 @@ def poisoned(k, v, keep_lo: int, keep_hi: int):
 
 
 def check_tree(seed, T, H, KVH, D, start, kv_len, *, tree_mask=None, kind="bushy", splits=None, window=None,
-               causal=True, q_pos=None, what="", scale=None, merge="auto", rooted=None):
-    """tree_attention against the twin on fresh inputs; cache rows it must not read are NaN.
-    rooted: the call's word that every node sees node 0 (None: whether the mask says so)."""
+               causal=True, q_pos=None, what="", scale=None, merge="auto"):
+    """tree_attention against the twin on fresh inputs; cache rows it must not read are NaN."""
     g = torch.Generator().manual_seed(seed)
     N = kv_len + 5  # rows past kv_len exist (and are NaN): never read
     k, v = make_cache(seed, N, KVH, D)
@@ -100,11 +99,9 @@ def check_tree(seed, T, H, KVH, D, start, kv_len, *, tree_mask=None, kind="bushy
     st = torch.tensor(start, device=DEV)
     qp = None if q_pos is None else q_pos.to(DEV)
     tm = tree_mask if isinstance(tree_mask, str) else tree_mask.to(DEV)
-    if rooted is None:
-        rooted = isinstance(tree_mask, str) or bool(tree_mask[:, 0].all())
     out = torch.full((T, H, D), float("nan"), device=DEV)
     got = A.tree_attention(q.to(DEV), kp.to(DEV), vp.to(DEV), st, tm, kv_len, q_pos=qp, window=window,
-                           scale=scale, causal=causal, out=out, splits=splits, merge=merge, rooted=rooted)
+                           scale=scale, causal=causal, out=out, splits=splits, merge=merge)
     assert got.data_ptr() == out.data_ptr()
     want = A.tree_attention_reference(q, k, v, torch.tensor(start), tree_mask, kv_len, q_pos=q_pos, window=window,
                                       causal=causal, scale=scale)
@@ -163,35 +160,6 @@ def test_splits_do_not_change_the_result():
     """The same call unsplit, split in 3 and in 16 (empty splits past the prefix), each against the twin."""
     for splits in (0, 3, 16):
         check_tree(7, 9, 12, 2, 64, 400, 500, splits=splits, what="splits")
-
-
-def _forest(T: int) -> torch.Tensor:
-    """Two trees side by side (nodes 0.. and T // 2..): the second half never sees node 0."""
-    half = T // 2
-    return ancestor_mask([-1] + list(range(half - 1)) + [-1] + list(range(half, T - 1)))
-
-
-@pytest.mark.parametrize("T,start,splits,folds", [
-    (65, 100, 0, True), (65, 333, 3, True), (65, 128, 0, False), (65, 320, 3, False), (65, 0, 0, False),
-    (17, 100, 0, False), (64, 100, 0, False),
-])
-def test_root_key_rides_in_the_last_prefix_tile(T, start, splits, folds):
-    """rooted=True, T = 64 m + 1 nodes (the CPU's 64-key tiles): the root's key joins the last
-    prefix range's last key tile where that tile has room (a range of 100 keys, or 77: 333 over 3
-    ranges of 128), not where it is full (128 keys; 320 over 3 ranges: the last 64) or empty (no
-    prefix), nor where it would save no tile (17 or 64 nodes). Rooted trees stay exact either way;
-    a forest called rooted shows where the fold happened: its second tree then sees node 0."""
-    assert A.candidate_tiles(64, T * 4, torch.float32, torch.device("cpu"))[0].bn == 64
-    check_tree(31 + T, T, 8, 2, 64, start, start + T + 3, kind="bushy", splits=splits, rooted=True, what="rooted")
-    forest = _forest(T)
-    check_tree(41 + T, T, 8, 2, 64, start, start + T + 3, tree_mask=forest, splits=splits, what="forest")
-    if DEV.type != "cpu":
-        return  # (GPU tiles differ: the fold's place is the CPU tiles')
-    if folds:
-        with pytest.raises(AssertionError):
-            check_tree(41 + T, T, 8, 2, 64, start, start + T + 3, tree_mask=forest, splits=splits, rooted=True)
-    else:
-        check_tree(41 + T, T, 8, 2, 64, start, start + T + 3, tree_mask=forest, splits=splits, rooted=True)
 
 
 def test_custom_scale_and_a_noncontiguous_query():
