@@ -199,6 +199,13 @@ TREE_KERNELS = {
 }
 
 
+# (nodes, shape) of each tree the kernels verify: "random" a random earlier parent per node (bushy);
+# at each tile edge (16, 32, 64) one size short of it, the edge and one over, one shape each.
+TREE_SIZES = ((1, "random"), (2, "random"), (3, "random"), (9, "star"), (15, "chain"), (16, "star"),
+              (17, "random"), (31, "star"), (32, "chain"), (33, "random"), (50, "random"), (63, "random"),
+              (64, "star"), (65, "chain"))
+
+
 @pytest.mark.parametrize("kernel", list(TREE_KERNELS))
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_tree_kernel_matches_tree_wy(cfg, kernel):
@@ -206,20 +213,22 @@ def test_tree_kernel_matches_tree_wy(cfg, kernel):
     by blocks of 16 or 64 nodes, the first pass per block
     or per head (its squarings unrolled or in a loop), its key products in chunks of the default width or of 16 channels, with or
     without the root folded into the state first) against gdn.tree_wy on
-    random trees of 2..65 nodes rooted at node 0 (one block, a full one, two to five, the last
-    partial or, with the root folded, 17 / 33 / 65 in whole blocks; 32: a chain across a block
-    edge; 65 in blocks of 64 without the fold: the per-head pass's cross terms), with the strided
-    q / k / v views the layer passes (at 17 / 33 / 65 q contiguous: a row stride of its own):
-    outputs and commit scratch."""
+    trees of 1..65 nodes rooted at node 0: every size around 16, 32 and 64 (a block one short,
+    full, one over: with the root folded 17 / 33 / 65 are whole blocks; 65 in blocks of 64 without
+    the fold: the per-head pass's cross terms), chains, stars and bushy trees at each edge (SHAPES),
+    with the strided q / k / v views the layer passes (at 17 / 33 / 65 q contiguous: a row stride
+    of its own): outputs and commit scratch."""
     from ddtree.ops.tree import ancestor_mask_from_parents
 
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=1, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(5)
-    for T in (2, 3, 9, 16, 17, 32, 33, 50, 65):
+    for T, shape in TREE_SIZES:
         parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
-        if T == 32:
+        if shape == "chain":
             parents = torch.arange(T) - 1
+        elif shape == "star":
+            parents = torch.tensor([-1] + [0] * (T - 1))
         mask = ancestor_mask_from_parents(parents).to(DEV)
         x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
         s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
@@ -246,8 +255,9 @@ def test_tree_prologue_kernel_matches_torch_prologue(cfg):
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(6)
-    for T in (2, 3, 9, 16, 17, 33):
-        mask, x, s = _random_tree_step(model, layer, T, g_, "chain" if T == 16 else "random")  # 16: the DFlash block
+    for T, shape in ((1, "random"), (2, "random"), (3, "random"), (9, "random"), (15, "star"), (16, "chain"),
+                     (17, "random"), (31, "random"), (32, "star"), (33, "random")):  # 16: the DFlash block
+        mask, x, s = _random_tree_step(model, layer, T, g_, shape)
         q, k, v, g, beta, z, ext = layer.qkvgb(x, s)
         scratch = [torch.zeros(layer.hv, T, d, device=DEV) for d in (layer.dk, layer.dv)] + [torch.zeros(layer.hv, T, device=DEV)]
         o_ref, _ = gdn.tree_wy(q, k, v, g, beta, layer.rec_state, mask, out=scratch)
@@ -307,7 +317,8 @@ def test_gated_norm_kernel_matches_gated_rms_norm(T, hv, dv):
 def test_prologue_kernel_matches_qkvgb(cfg):
     """The blocked verify's prologue kernel (gdn_tree.gdn_prologue: tree convolution + SiLU, q/k
     l2 norms, head repeat, gates from the projection) against qkvgb on random trees of one to five
-    16-node blocks and random conv states; and the whole mixer through the Triton prologue path
+    16-node blocks (63 / 64 / 65 nodes: around the per-head pass's 64-node block, 64 a star) and
+    random conv states; and the whole mixer through the Triton prologue path
     (_tree_fused: past 32 nodes here the prologue kernel and the blocks) against the torch path."""
     import dataclasses
 
@@ -318,8 +329,10 @@ def test_prologue_kernel_matches_qkvgb(cfg):
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(7)
     fast = resolve(FAST, DEV)
-    for T in (2, 16, 17, 33, 50, 65):
+    for T in (2, 16, 17, 33, 50, 63, 64, 65):
         parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
+        if T == 64:  # the per-head pass's whole block, as a star
+            parents = torch.tensor([-1] + [0] * (T - 1))
         mask = ancestor_mask_from_parents(parents).to(DEV)
         x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
         layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_))
