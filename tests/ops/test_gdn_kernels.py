@@ -62,14 +62,22 @@ def _run_step(model, inputs, fast: bool):
     return o, kb, ub, cb, layer.ext_buf[: layer.width].clone()
 
 
-def _random_tree_step(model, layer, T: int, g_, shape: str = "random"):
-    """A random tree of T nodes rooted at node 0 (shape "chain" or "star" instead), random conv and
-    recurrent states in `layer`, a random input: -> (mask, x, step) at committed length 4."""
+def _tree_parents(T: int, g_, shape: str = "random") -> torch.Tensor:
+    """Parents of a tree of T nodes rooted at node 0: a random earlier node each ("random": bushy),
+    or a "chain" or "star". The random draw is made for every shape, so that the generator's
+    sequence after it does not depend on the shape."""
     parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
     if shape == "chain":
-        parents = torch.arange(T) - 1
-    elif shape == "star":
-        parents = torch.tensor([-1] + [0] * (T - 1))
+        return torch.arange(T) - 1
+    if shape == "star":
+        return torch.tensor([-1] + [0] * (T - 1))
+    return parents
+
+
+def _random_tree_step(model, layer, T: int, g_, shape: str = "random"):
+    """A tree of T nodes (_tree_parents), random conv and recurrent states in `layer`, a random
+    input: -> (mask, x, step) at committed length 4."""
+    parents = _tree_parents(T, g_, shape)
     mask = ancestor_mask_from_parents(parents).to(DEV)
     x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
     layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_))
@@ -132,7 +140,7 @@ def test_commit_kernel_matches_commit_states(cfg):
     L, H, dk, dv = group.state.shape
     g = torch.Generator().manual_seed(1)
     for T in (1, 5, 17):
-        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g)) for n in range(1, T)])
+        parents = _tree_parents(T, g)
         mask = ancestor_mask_from_parents(parents).to(DEV)
         for b in (group.kbuf, group.ubuf):
             b.copy_(torch.randn(b.shape, generator=g))
@@ -215,20 +223,14 @@ def test_tree_kernel_matches_tree_wy(cfg, kernel):
     without the root folded into the state first) against gdn.tree_wy on
     trees of 1..65 nodes rooted at node 0: every size around 16, 32 and 64 (a block one short,
     full, one over: with the root folded 17 / 33 / 65 are whole blocks; 65 in blocks of 64 without
-    the fold: the per-head pass's cross terms), chains, stars and bushy trees at each edge (SHAPES),
+    the fold: the per-head pass's cross terms), chains, stars and bushy trees at each edge (TREE_SIZES),
     with the strided q / k / v views the layer passes (at 17 / 33 / 65 q contiguous: a row stride
     of its own): outputs and commit scratch."""
-    from ddtree.ops.tree import ancestor_mask_from_parents
-
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=1, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(5)
     for T, shape in TREE_SIZES:
-        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
-        if shape == "chain":
-            parents = torch.arange(T) - 1
-        elif shape == "star":
-            parents = torch.tensor([-1] + [0] * (T - 1))
+        parents = _tree_parents(T, g_, shape)
         mask = ancestor_mask_from_parents(parents).to(DEV)
         x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
         s = model.make_step(4 + mask.sum(1) - 1, mask, parents.to(DEV), torch.tensor(4, device=DEV), 4 + T, DEV)
@@ -323,16 +325,13 @@ def test_prologue_kernel_matches_qkvgb(cfg):
     import dataclasses
 
     from ddtree.ops.dispatch import resolve
-    from ddtree.ops.tree import ancestor_mask_from_parents
 
     model = build_random_target(tiny_hybrid_config(**CONFIGS[cfg]), seed=2, device=DEV)
     layer = next(m for m in model.layers if hasattr(m.mixer, "wy_bufs")).mixer
     g_ = torch.Generator().manual_seed(7)
     fast = resolve(FAST, DEV)
     for T in (2, 16, 17, 33, 50, 63, 64, 65):
-        parents = torch.tensor([-1] + [int(torch.randint(0, n, (1,), generator=g_)) for n in range(1, T)])
-        if T == 64:  # the per-head pass's whole block, as a star
-            parents = torch.tensor([-1] + [0] * (T - 1))
+        parents = _tree_parents(T, g_, "star" if T == 64 else "random")  # 64: the per-head pass's whole block
         mask = ancestor_mask_from_parents(parents).to(DEV)
         x = torch.randn(T, model.cfg.hidden_size, generator=g_).to(DEV)
         layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=g_))
